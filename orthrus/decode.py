@@ -1,0 +1,138 @@
+"""Device side of decoding: per-slot state and the prefill / speculative-cycle / AR-step kernels.
+
+Everything here is batched tensor code over the rows of one forward (``b`` of the ``B`` slots);
+nothing reads a value back to the host. The host loop (``engine.py``) does one transfer per cycle
+of the packed result these functions return.
+
+Packed result per row (int64): ``[emitted (W) | n_emit | L | reason | alive_before | first]`` where
+W is the block size (1 for AR), ``reason`` is RUNNING/STOP/LENGTH and ``first`` is the token
+sampled at prefill (-1 when the row was not just admitted).
+"""
+from __future__ import annotations
+
+import torch
+
+from orthrus import rng
+from orthrus.attention import BlockBatch
+from orthrus.cache import RaggedKVCache
+from orthrus.model import OrthrusForCausalLM
+from orthrus.proposer import Proposer
+from orthrus.sampling import SamplingTensors, accept, process, sample
+
+RUNNING, STOP, LENGTH = 0, 1, 2
+
+
+class SlotState:
+    """Per-slot decoding state on the device, ``[B]`` (``stop_ids [B, S]``, padded with -1)."""
+
+    def __init__(self, num_slots: int, stop_width: int, device: torch.device) -> None:
+        def z(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(num_slots, dtype=dtype, device=device)
+        self.anchor, self.seed, self.counter, self.row = z(torch.long), z(torch.long), z(torch.long), z(torch.long)
+        self.out_count, self.max_new, self.prompt_len = z(torch.long), z(torch.long), z(torch.long)
+        self.reason, self.first = z(torch.long), z(torch.long) - 1
+        self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float64), z(torch.float64) + 1
+        self.greedy, self.alive = z(torch.bool), z(torch.bool)
+        self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
+
+    def sampling(self, slots: torch.Tensor, filtered: bool) -> SamplingTensors:
+        """Processing parameters of the given slots."""
+        return SamplingTensors(self.temperature[slots], self.top_k[slots], self.top_p[slots],
+                               self.greedy[slots], filtered)
+
+
+def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: torch.Tensor,
+             max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncate each row's emitted tokens ``[b, W]`` (valid up to index L) at its first stop.
+
+    Returns ``n_emit [b]`` and ``reason [b]``: a stop token (kept), ``max_new_tokens`` or the
+    context limit ends the row; tokens after it in the accepted block are discarded.
+    """
+    i = torch.arange(emitted.shape[1], device=emitted.device)[None, :]
+    valid = i <= n_acc[:, None]                                               # [b, W]
+    produced = st.out_count[slots][:, None] + i + 1                           # tokens generated so far
+    is_stop = (emitted[..., None] == st.stop_ids[slots][:, None, :]).any(-1) & valid
+    too_long = (produced >= st.max_new[slots][:, None]) | (st.prompt_len[slots][:, None] + produced >= max_seq_len)
+    end = is_stop | (too_long & valid)
+    has_end = end.any(-1)
+    first_end = torch.where(has_end, end.long().argmax(-1), n_acc)           # argmax = first True
+    stopped = is_stop.gather(1, first_end[:, None]).squeeze(1)
+    reason = torch.where(has_end, torch.where(stopped, STOP, LENGTH), RUNNING)
+    return first_end + 1, reason
+
+
+def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
+            prompts: torch.Tensor, lens: torch.Tensor, filtered: bool, max_seq_len: int) -> None:
+    """AR-prefill right-padded ``prompts [b, T]`` into ``slots`` and sample each row's first anchor."""
+    b, t = prompts.shape
+    pos = torch.arange(t, device=prompts.device)[None, :].expand(b, t)       # [b, T]
+    batch = BlockBatch(slots=slots, positions=pos, key_limit=pos + 1, kv_len=t)
+    hidden = model.forward_cached(prompts, cache, batch, diffusion=False)    # [b, T, E]
+    last = hidden[torch.arange(b, device=prompts.device), lens - 1]          # [b, E]
+    probs = process(model.logits(last)[:, None], st.sampling(slots, filtered))
+    u = rng.uniforms(st.seed[slots], torch.zeros_like(lens), rng.STREAM_FIRST, 1)
+    first = sample(probs, u)[:, 0]                                           # [b]
+    cache.lengths[slots] = lens
+    st.prompt_len[slots] = lens
+    st.out_count[slots] = 0
+    st.counter[slots] = 0
+    n_emit, reason = stop_cut(first[:, None], torch.zeros_like(lens), st, slots, max_seq_len)
+    st.out_count[slots] = n_emit
+    st.anchor[slots] = first
+    st.first[slots] = first
+    st.reason[slots] = reason
+    st.alive[slots] = reason == RUNNING
+
+
+def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: torch.Tensor,
+            n_acc: torch.Tensor, nxt: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Apply one cycle's outcome to live rows (crop = length update) and pack it for the host."""
+    alive = st.alive[slots]
+    n_emit, reason = stop_cut(emitted, n_acc, st, slots, max_seq_len)
+    n_emit = n_emit * alive
+    cache.lengths[slots] += (n_acc + 1) * alive
+    st.out_count[slots] += n_emit
+    st.counter[slots] += alive.long()
+    st.anchor[slots] = torch.where(alive, nxt, st.anchor[slots])
+    new_reason = torch.where(alive, reason, st.reason[slots])
+    st.reason[slots] = new_reason
+    st.alive[slots] = alive & (new_reason == RUNNING)
+    first = st.first[slots]
+    st.first[slots] = -1
+    cols = [n_emit, n_acc * alive, new_reason, alive.long(), first]
+    return torch.cat([emitted, torch.stack(cols, 1)], 1)                      # [b, W + 5]
+
+
+def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: RaggedKVCache,
+                      st: SlotState, slots: torch.Tensor, all_slots: bool, kv_len: int, k: int,
+                      filtered: bool, max_seq_len: int) -> torch.Tensor:
+    """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``."""
+    b = slots.shape[0]
+    n = cache.lengths[slots]                                                  # [b]
+    pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
+    view_slots = None if all_slots else slots
+    draft_view = BlockBatch(view_slots, pos, (n + k)[:, None].expand(b, k), kv_len)
+    sp = st.sampling(slots, filtered)
+    seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
+    q = process(proposer.propose(anchor, draft_view, cache, st.row[slots]), sp)     # [b, K-1, V]
+    drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))        # [b, K-1]
+    block = torch.cat([anchor[:, None], drafts], 1)                                 # [b, K]
+    verify_view = BlockBatch(view_slots, pos, pos + 1, kv_len)
+    p = process(model.logits(model.forward_cached(block, cache, verify_view, diffusion=False)), sp)
+    n_acc, nxt = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
+                        rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
+    i = torch.arange(k, device=n.device)[None, :]
+    emitted = torch.where(i < n_acc[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
+    return _commit(st, cache, slots, emitted, n_acc, nxt, max_seq_len)
+
+
+def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
+            all_slots: bool, kv_len: int, filtered: bool, max_seq_len: int) -> torch.Tensor:
+    """One plain AR step (our baseline) on the same cache and bookkeeping."""
+    n = cache.lengths[slots]
+    pos = n[:, None]                                                          # [b, 1]
+    view = BlockBatch(None if all_slots else slots, pos, pos + 1, kv_len)
+    hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False)
+    p = process(model.logits(hidden), st.sampling(slots, filtered))          # [b, 1, V]
+    nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
+    return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, max_seq_len)

@@ -1,0 +1,137 @@
+"""OrthrusEngine: batched, ragged, lossless self-speculative generation with continuous refill.
+
+The loop (host) per cycle: admit waiting prompts into free slots (one padded prefill), run one
+speculative cycle (or AR step) on the occupied slots, read back ONE packed int tensor, fold it into
+the numpy book, harvest finished rows. Device work lives in ``decode.py``, host bookkeeping in
+``bookkeeping.py``.
+"""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from orthrus import decode
+from orthrus.bookkeeping import SlotBook
+from orthrus.cache import RaggedKVCache
+from orthrus.model import OrthrusForCausalLM
+from orthrus.params import GenerationResult, SamplingParams
+from orthrus.proposer import DiffusionProposer, Proposer
+
+
+class OrthrusEngine:
+    """A fixed number of slots over one model and one ragged KV cache allocated up front.
+
+    ``max_seq_len`` is the context limit (prompt + generated tokens); the cache holds one extra
+    block per slot as scratch for the draft/verify writes.
+    """
+
+    def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
+                 max_seq_len: int | None = None, proposer: Proposer | None = None) -> None:
+        cfg = model.config
+        self.block_size = int(block_size if block_size is not None else model.block_size)
+        self.max_seq_len = int(max_seq_len if max_seq_len is not None else cfg.max_position_embeddings)
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {self.block_size}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        self.vocab_size = int(cfg.vocab_size)
+        self.eos_token_ids: tuple[int, ...] = model.eos_token_ids
+        param = next(model.parameters())
+        self.device = param.device
+        attn = model.model.layers[0].self_attn
+        self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
+                                   self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
+        self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty (0 tokens)")
+        ids = np.asarray(prompt_token_ids)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context limit max_seq_len={self.max_seq_len} "
+                             "leaves no room to generate")
+
+    def _validate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                  ) -> list[SamplingParams]:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                self.check_request(prompt, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return plist
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 speculative: bool = True) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in prompt order."""
+        plist = self._validate(prompts, params)
+        seeds = [p.seed if p.seed is not None else secrets.randbits(63) for p in plist]
+        width = self.block_size if speculative else 1
+        stop_width = len(self.eos_token_ids) + max(len(p.stop_token_ids) for p in plist)
+        st = decode.SlotState(self.max_batch_size, stop_width, self.device)
+        filtered = any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy)
+        book = SlotBook(self.max_batch_size, len(prompts), width, max(p.max_new_tokens for p in plist), speculative)
+        lens = [len(p) for p in prompts]
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        self.cache.reset()
+        while book.busy():
+            if book.pending and (book.row < 0).any():
+                slots, rows = book.admit(lens)
+                self._prefill(st, slots, rows, prompts, plist, seeds, filtered)
+            slots = book.occupied()
+            slots_t = torch.as_tensor(slots, device=self.device)
+            all_slots = len(slots) == self.max_batch_size
+            if speculative:
+                packed = decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots,
+                                                  book.kv_len(slots), self.block_size, filtered, self.max_seq_len)
+            else:
+                packed = decode.ar_step(self.model, self.cache, st, slots_t, all_slots, book.kv_len(slots),
+                                        filtered, self.max_seq_len)
+            packed_host = packed.cpu().numpy()  # SYNC: the one device→host read per cycle
+            for slot, reason in zip(*book.record(slots, packed_host)):
+                row, res = book.harvest(int(slot), int(reason), seeds[book.row[slot]])
+                results[row] = res
+        return results  # type: ignore[return-value]
+
+    def _prefill(self, st: decode.SlotState, slots: np.ndarray, rows: list[int],
+                 prompts: Sequence[Sequence[int]], plist: list[SamplingParams], seeds: list[int],
+                 filtered: bool) -> None:
+        """Load admitted rows' parameters into their slots and prefill them in one padded batch."""
+        dev = self.device
+        ps = [plist[r] for r in rows]
+        slots_t = torch.as_tensor(slots, device=dev)
+        t = max(len(prompts[r]) for r in rows)
+        padded = torch.zeros((len(rows), t), dtype=torch.long)
+        for i, r in enumerate(rows):
+            padded[i, : len(prompts[r])] = torch.as_tensor(list(prompts[r]), dtype=torch.long)
+        stops = torch.full((len(rows), st.stop_ids.shape[1]), -1, dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
+            stops[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        st.stop_ids[slots_t] = stops.to(dev)
+        st.row[slots_t] = torch.as_tensor(rows, device=dev)
+        st.seed[slots_t] = torch.as_tensor([seeds[r] for r in rows], device=dev)
+        st.max_new[slots_t] = torch.as_tensor([p.max_new_tokens for p in ps], device=dev)
+        st.temperature[slots_t] = torch.as_tensor([float(p.temperature) for p in ps], dtype=torch.float64, device=dev)
+        st.top_p[slots_t] = torch.as_tensor([float(p.top_p) for p in ps], dtype=torch.float64, device=dev)
+        st.top_k[slots_t] = torch.as_tensor([p.top_k for p in ps], device=dev)
+        st.greedy[slots_t] = torch.as_tensor([p.greedy for p in ps], device=dev)
+        lens = torch.as_tensor([len(prompts[r]) for r in rows], device=dev)
+        decode.prefill(self.model, self.cache, st, slots_t, padded.to(dev), lens, filtered, self.max_seq_len)

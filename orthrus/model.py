@@ -1,0 +1,149 @@
+"""OrthrusForCausalLM: a Qwen3 decoder whose attention layers carry a diffusion-view twin.
+
+Embeddings, norms, MLPs, the final norm and the LM head are shared by both views; only attention
+differs (see ``attention.py``). State-dict names match the released checkpoints
+(``model.layers.N.self_attn.q_proj_diff.weight`` …), so loading needs no key mapping.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from orthrus.attention import AR_NAMES, DIFF_SUFFIX, BlockBatch, OrthrusAttention
+from orthrus.cache import RaggedKVCache
+
+DEFAULT_BLOCK_SIZE = 32
+
+
+class OrthrusDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 block; the attention view is chosen per call."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = OrthrusAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_cached(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: RaggedKVCache, batch: BlockBatch, diffusion: bool) -> torch.Tensor:
+        a = self.self_attn.forward_cached(self.input_layernorm(h), cos, sin, cache, batch, diffusion)
+        return self._mlp(h + a)
+
+    def forward_dense(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      mask: torch.Tensor | None, diffusion: bool) -> torch.Tensor:
+        a = self.self_attn.forward_dense(self.input_layernorm(h), cos, sin, mask, diffusion)
+        return self._mlp(h + a)
+
+
+class OrthrusModel(nn.Module):
+    """Embeddings, decoder layers and final norm (the ``model.`` prefix of the checkpoint)."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OrthrusDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+
+
+class OrthrusForCausalLM(PreTrainedModel):
+    """One Qwen3 model, two attention views sharing one KV cache (DESIGN §2.1).
+
+    ``forward(input_ids)`` is the plain AR model (all positions' logits). The engine uses
+    ``forward_cached`` to run either view on a block over the ragged cache.
+    """
+
+    config_class = Qwen3Config
+    base_model_prefix = "model"
+    _supports_sdpa = True
+
+    def __init__(self, config: Qwen3Config) -> None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("config.use_sliding_window=True is not supported (Qwen3 models use full attention)")
+        super().__init__(config)
+        self.model = OrthrusModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.post_init()
+        self.copy_ar_to_diffusion()  # the twins start as copies: the AR view is the original model
+
+    @property
+    def block_size(self) -> int:
+        """Draft block size K the diffusion view was trained with."""
+        return int(getattr(self.config, "block_size", None) or DEFAULT_BLOCK_SIZE)
+
+    @property
+    def mask_token_id(self) -> int:
+        """Token id fed at the K-1 masked block positions (an unused embedding row)."""
+        mask = getattr(self.config, "mask_token_id", None)
+        return int(mask) if mask is not None else self.config.vocab_size - 1
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id of the config (and of generation_config.json when loaded from a directory)."""
+        ids: set[int] = set(getattr(self, "_extra_eos_ids", ()))
+        eos = self.config.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        return tuple(sorted(ids))
+
+    def diffusion_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The ``*_diff`` twins: the only parameters training changes."""
+        return [(n, p) for n, p in self.named_parameters() if DIFF_SUFFIX + "." in n]
+
+    @torch.no_grad()
+    def copy_ar_to_diffusion(self) -> None:
+        """Set every twin to its AR counterpart (how a plain Qwen3 checkpoint becomes Orthrus)."""
+        for layer in self.model.layers:
+            for name in AR_NAMES:
+                getattr(layer.self_attn, name + DIFF_SUFFIX).load_state_dict(
+                    getattr(layer.self_attn, name).state_dict())
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rotary_emb(h, positions)  # cos, sin [b, T, D]
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: RaggedKVCache, batch: BlockBatch,
+                       diffusion: bool) -> torch.Tensor:
+        """Run one view on ``input_ids [b, T]`` over the ragged cache → final hidden ``[b, T, E]``."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(h, batch.positions)
+        for layer in self.model.layers:
+            h = layer.forward_cached(h, cos, sin, cache, batch, diffusion)
+        return self.model.norm(h)
+
+    def forward_dense(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None, diffusion: bool = False) -> torch.Tensor:
+        """Whole-sequence forward without a cache → final hidden ``[b, T, E]`` (None mask = causal)."""
+        h = self.model.embed_tokens(input_ids)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        cos, sin = self._rope(h, positions)
+        for layer in self.model.layers:
+            h = layer.forward_dense(h, cos, sin, mask, diffusion)
+        return self.model.norm(h)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal AR view: logits ``[b, T, V]`` for every position."""
+        return self.lm_head(self.forward_dense(input_ids))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: ``[..., E]`` → ``[..., V]``."""
+        return self.lm_head(hidden)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "OrthrusForCausalLM":
+        """Load an Orthrus or plain Qwen3 checkpoint from a local HF-layout directory (no remote code)."""
+        from orthrus.checkpoint import load_checkpoint
+        return load_checkpoint(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in the released Orthrus layout."""
+        from orthrus.checkpoint import save_checkpoint
+        save_checkpoint(self, path)

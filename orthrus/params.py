@@ -1,0 +1,79 @@
+"""Request parameters and per-row results of the engine (plain frozen dataclasses)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything above is a typo, not a request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one row. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable.
+
+    Processing order (identical for the AR target and the diffusion proposal): temperature, top-k,
+    top-p, softmax. ``seed`` keys the row's own random stream, so a seeded row samples the same
+    tokens alone or in any batch; rows given the same seed and prompt give the same output.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT):
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int in [1, {MAX_NEW_TOKENS_LIMIT}], "
+                             f"got {self.max_new_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the row decodes by argmax."""
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Speculation statistics of one row.
+
+    A *cycle* is one draft + verify (or one AR step when not speculating). Acceptance counts the
+    verifier's verdict ``L`` per cycle, before any stop truncates the block.
+    """
+
+    num_cycles: int
+    num_forward_passes: int          # prefill + 2 per speculative cycle (1 per AR step)
+    num_draft_tokens: int            # (K - 1) per speculative cycle
+    num_accepted_draft_tokens: int
+    accept_length_histogram: list[int] = field(default_factory=list)  # [L] = cycles accepting L drafts
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """Accepted drafts + 1 per cycle (a.k.a. acceptance length); TPF is half of it."""
+        if self.num_cycles == 0:
+            return 0.0
+        return (self.num_accepted_draft_tokens + self.num_cycles) / self.num_cycles
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One row's output: generated ids only (a stop token that ended the row is included)."""
+
+    token_ids: list[int]
+    finish_reason: str               # "stop" | "length"
+    seed: int
+    stats: RowStats

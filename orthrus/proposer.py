@@ -1,0 +1,40 @@
+"""Draft proposers: who fills the K-1 masked positions of a block.
+
+The engine only needs proposal logits; the default is the model's own diffusion view. Tests plug
+in other proposers (e.g. replaying the AR continuation with chosen corruptions) to drive the
+acceptance bookkeeping through every accept length.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from orthrus.attention import BlockBatch
+from orthrus.cache import RaggedKVCache
+from orthrus.model import OrthrusForCausalLM
+
+
+class Proposer(Protocol):
+    """Returns proposal logits ``[b, K-1, V]`` for positions ``n+1 … n+K-1`` of each row."""
+
+    def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
+                rows: torch.Tensor) -> torch.Tensor:
+        """``anchor [b]`` sits at ``batch.positions[:, 0]``; ``rows [b]`` index the generate call's prompts."""
+        ...
+
+
+class DiffusionProposer:
+    """One diffusion-view forward over ``[a, M, …, M]``; every block position sees the whole block."""
+
+    def __init__(self, model: OrthrusForCausalLM) -> None:
+        self.model = model
+        self.mask_token_id = model.mask_token_id
+
+    def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
+                rows: torch.Tensor) -> torch.Tensor:
+        k = batch.positions.shape[1]
+        block = torch.full((anchor.shape[0], k), self.mask_token_id, dtype=torch.long, device=anchor.device)
+        block[:, 0] = anchor                                                  # [b, K]
+        hidden = self.model.forward_cached(block, cache, batch, diffusion=True)
+        return self.model.logits(hidden[:, : k - 1])                          # [b, K-1, V]
