@@ -100,8 +100,8 @@ def load_checkpoint(cls: type["OrthrusForCausalLM"], path: str, dtype: torch.dty
     return model.to(device=device).eval()
 
 
-def save_checkpoint(model: "OrthrusForCausalLM", path: str) -> None:
-    """Save config + safetensors; a tied LM head is stored once, as the released checkpoints do."""
+def save_checkpoint(model: "OrthrusForCausalLM", path: str, dtype: torch.dtype | None = None) -> None:
+    """Save config + safetensors (optionally cast to ``dtype``); a tied LM head is stored once."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -109,7 +109,8 @@ def save_checkpoint(model: "OrthrusForCausalLM", path: str) -> None:
     config.block_size = model.block_size
     config.mask_token_id = model.mask_token_id
     config.save_pretrained(str(root))
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(dtype=dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    config.torch_dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(root / WEIGHTS), metadata={"format": "pt"})

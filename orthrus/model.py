@@ -143,7 +143,7 @@ class OrthrusForCausalLM(PreTrainedModel):
         from orthrus.checkpoint import load_checkpoint
         return load_checkpoint(cls, path, dtype=dtype, device=device)
 
-    def save_pretrained(self, path: str) -> None:
+    def save_pretrained(self, path: str, dtype: torch.dtype | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the released Orthrus layout."""
         from orthrus.checkpoint import save_checkpoint
-        save_checkpoint(self, path)
+        save_checkpoint(self, path, dtype=dtype)
