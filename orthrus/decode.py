@@ -17,7 +17,7 @@ from orthrus.attention import BlockBatch
 from orthrus.cache import RaggedKVCache
 from orthrus.model import OrthrusForCausalLM
 from orthrus.proposer import Proposer
-from orthrus.sampling import SamplingTensors, accept, process, sample
+from orthrus.sampling import SamplingTensors, accept, greedy_accept, process, sample
 
 RUNNING, STOP, LENGTH = 0, 1, 2
 
@@ -35,10 +35,10 @@ class SlotState:
         self.greedy, self.alive = z(torch.bool), z(torch.bool)
         self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
 
-    def sampling(self, slots: torch.Tensor, filtered: bool) -> SamplingTensors:
-        """Processing parameters of the given slots."""
+    def sampling(self, slots: torch.Tensor, filtered: bool, all_greedy: bool) -> SamplingTensors:
+        """Processing parameters of the given slots (the flags are host-known, never read back)."""
         return SamplingTensors(self.temperature[slots], self.top_k[slots], self.top_p[slots],
-                               self.greedy[slots], filtered)
+                               self.greedy[slots], filtered, all_greedy)
 
 
 def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: torch.Tensor,
@@ -62,14 +62,14 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
 
 
 def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
-            prompts: torch.Tensor, lens: torch.Tensor, filtered: bool, max_seq_len: int) -> None:
+            prompts: torch.Tensor, lens: torch.Tensor, filtered: bool, all_greedy: bool, max_seq_len: int) -> None:
     """AR-prefill right-padded ``prompts [b, T]`` into ``slots`` and sample each row's first anchor."""
     b, t = prompts.shape
     pos = torch.arange(t, device=prompts.device)[None, :].expand(b, t)       # [b, T]
     batch = BlockBatch(slots=slots, positions=pos, key_limit=pos + 1, kv_len=t)
     hidden = model.forward_cached(prompts, cache, batch, diffusion=False)    # [b, T, E]
     last = hidden[torch.arange(b, device=prompts.device), lens - 1]          # [b, E]
-    probs = process(model.logits(last)[:, None], st.sampling(slots, filtered))
+    probs = process(model.logits(last)[:, None], st.sampling(slots, filtered, all_greedy))
     u = rng.uniforms(st.seed[slots], torch.zeros_like(lens), rng.STREAM_FIRST, 1)
     first = sample(probs, u)[:, 0]                                           # [b]
     cache.lengths[slots] = lens
@@ -105,34 +105,45 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
 
 def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: RaggedKVCache,
                       st: SlotState, slots: torch.Tensor, all_slots: bool, kv_len: int, k: int,
-                      filtered: bool, max_seq_len: int) -> torch.Tensor:
+                      filtered: bool, all_greedy: bool, max_seq_len: int) -> torch.Tensor:
     """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``."""
     b = slots.shape[0]
     n = cache.lengths[slots]                                                  # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
     view_slots = None if all_slots else slots
     draft_view = BlockBatch(view_slots, pos, (n + k)[:, None].expand(b, k), kv_len)
-    sp = st.sampling(slots, filtered)
+    sp = st.sampling(slots, filtered, all_greedy)
     seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
-    q = process(proposer.propose(anchor, draft_view, cache, st.row[slots]), sp)     # [b, K-1, V]
-    drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))        # [b, K-1]
-    block = torch.cat([anchor[:, None], drafts], 1)                                 # [b, K]
+    q_logits = proposer.propose(anchor, draft_view, cache, st.row[slots])          # [b, K-1, V]
     verify_view = BlockBatch(view_slots, pos, pos + 1, kv_len)
-    p = process(model.logits(model.forward_cached(block, cache, verify_view, diffusion=False)), sp)
-    n_acc, nxt = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
-                        rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
+    if all_greedy:
+        drafts = q_logits.argmax(-1)                                                # [b, K-1]
+        p_logits = model.logits(model.forward_cached(torch.cat([anchor[:, None], drafts], 1), cache,
+                                                     verify_view, diffusion=False))
+        drafts, n_acc, nxt = greedy_accept(p_logits, q_logits)
+    else:
+        q = process(q_logits, sp)
+        drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
+        block = torch.cat([anchor[:, None], drafts], 1)                             # [b, K]
+        p = process(model.logits(model.forward_cached(block, cache, verify_view, diffusion=False)), sp)
+        n_acc, nxt = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
+                            rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
     i = torch.arange(k, device=n.device)[None, :]
     emitted = torch.where(i < n_acc[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
     return _commit(st, cache, slots, emitted, n_acc, nxt, max_seq_len)
 
 
 def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
-            all_slots: bool, kv_len: int, filtered: bool, max_seq_len: int) -> torch.Tensor:
+            all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool, max_seq_len: int) -> torch.Tensor:
     """One plain AR step (our baseline) on the same cache and bookkeeping."""
     n = cache.lengths[slots]
     pos = n[:, None]                                                          # [b, 1]
     view = BlockBatch(None if all_slots else slots, pos, pos + 1, kv_len)
     hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False)
-    p = process(model.logits(hidden), st.sampling(slots, filtered))          # [b, 1, V]
-    nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
+    logits = model.logits(hidden)                                            # [b, 1, V]
+    if all_greedy:
+        nxt = logits[:, 0].argmax(-1)
+    else:
+        p = process(logits, st.sampling(slots, filtered, all_greedy))
+        nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
     return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, max_seq_len)

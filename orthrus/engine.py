@@ -87,6 +87,7 @@ class OrthrusEngine:
         stop_width = len(self.eos_token_ids) + max(len(p.stop_token_ids) for p in plist)
         st = decode.SlotState(self.max_batch_size, stop_width, self.device)
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy)
+        all_greedy = all(p.greedy for p in plist)
         book = SlotBook(self.max_batch_size, len(prompts), width, max(p.max_new_tokens for p in plist), speculative)
         lens = [len(p) for p in prompts]
         results: list[GenerationResult | None] = [None] * len(prompts)
@@ -94,16 +95,17 @@ class OrthrusEngine:
         while book.busy():
             if book.pending and (book.row < 0).any():
                 slots, rows = book.admit(lens)
-                self._prefill(st, slots, rows, prompts, plist, seeds, filtered)
+                self._prefill(st, slots, rows, prompts, plist, seeds, filtered, all_greedy)
             slots = book.occupied()
             slots_t = torch.as_tensor(slots, device=self.device)
             all_slots = len(slots) == self.max_batch_size
             if speculative:
                 packed = decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots,
-                                                  book.kv_len(slots), self.block_size, filtered, self.max_seq_len)
+                                                  book.kv_len(slots), self.block_size, filtered, all_greedy,
+                                                  self.max_seq_len)
             else:
                 packed = decode.ar_step(self.model, self.cache, st, slots_t, all_slots, book.kv_len(slots),
-                                        filtered, self.max_seq_len)
+                                        filtered, all_greedy, self.max_seq_len)
             packed_host = packed.cpu().numpy()  # SYNC: the one device→host read per cycle
             for slot, reason in zip(*book.record(slots, packed_host)):
                 row, res = book.harvest(int(slot), int(reason), seeds[book.row[slot]])
@@ -112,7 +114,7 @@ class OrthrusEngine:
 
     def _prefill(self, st: decode.SlotState, slots: np.ndarray, rows: list[int],
                  prompts: Sequence[Sequence[int]], plist: list[SamplingParams], seeds: list[int],
-                 filtered: bool) -> None:
+                 filtered: bool, all_greedy: bool) -> None:
         """Load admitted rows' parameters into their slots and prefill them in one padded batch."""
         dev = self.device
         ps = [plist[r] for r in rows]
@@ -134,4 +136,5 @@ class OrthrusEngine:
         st.top_k[slots_t] = torch.as_tensor([p.top_k for p in ps], device=dev)
         st.greedy[slots_t] = torch.as_tensor([p.greedy for p in ps], device=dev)
         lens = torch.as_tensor([len(prompts[r]) for r in rows], device=dev)
-        decode.prefill(self.model, self.cache, st, slots_t, padded.to(dev), lens, filtered, self.max_seq_len)
+        decode.prefill(self.model, self.cache, st, slots_t, padded.to(dev), lens, filtered, all_greedy,
+                       self.max_seq_len)

@@ -24,6 +24,7 @@ class SamplingTensors:
     top_p: torch.Tensor        # [b] float; 1 = off
     greedy: torch.Tensor       # [b] bool
     filtered: bool             # host-known: any row uses top-k or top-p (skips the sort otherwise)
+    all_greedy: bool = False   # host-known: every row is greedy (argmax fast path, no probabilities)
 
 
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -48,6 +49,8 @@ def _filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.
 def process(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Logits ``[b, T, V]`` → probabilities ``[b, T, V]``: temperature, top-k, top-p, softmax."""
     x = logits.to(_work_dtype(logits))
+    if st.all_greedy:
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
     onehot = torch.zeros_like(x).scatter(-1, x.argmax(-1, keepdim=True), 1.0)
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature).to(x.dtype)
     x = x / temp[:, None, None]
@@ -90,3 +93,15 @@ def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: tor
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_l)
     nxt = sample(residual[:, None], u_residual[:, None]).squeeze(1)
     return n_acc, nxt
+
+
+def greedy_accept(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-greedy fast path: the same result as ``accept`` on one-hot distributions, from argmaxes only.
+
+    Returns drafts ``[b, K-1]``, ``L [b]`` and the next anchor ``[b]`` (the AR argmax after the
+    accepted prefix: a correction, or the bonus token when every draft matched).
+    """
+    drafts = q_logits.argmax(-1)                                            # [b, K-1]
+    target = p_logits.argmax(-1)                                            # [b, K]
+    n_acc = (drafts == target[:, :-1]).long().cumprod(-1).sum(-1)          # [b]
+    return drafts, n_acc, target.gather(1, n_acc[:, None]).squeeze(1)

@@ -68,3 +68,15 @@ def test_max_new_tokens_one_and_block_size_override(model):
     long = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30))[0]
     ar = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30), speculative=False)[0]
     assert long.token_ids == ar.token_ids and len(long.stats.accept_length_histogram) == 6
+
+
+def test_greedy_rows_stay_exact_in_a_batch_that_also_samples(model):
+    """Mixed batches take the general probability path; greedy rows must still equal AR."""
+    engine = OrthrusEngine(model, max_batch_size=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    params = [greedy if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=8, max_new_tokens=20, seed=i)
+              for i in range(len(PROMPTS))]
+    mixed = engine.generate(PROMPTS, params)
+    for i, (prompt, got) in enumerate(zip(PROMPTS, mixed)):
+        if i % 2 == 0:
+            assert got.token_ids == engine.generate([prompt], greedy, speculative=False)[0].token_ids
