@@ -18,8 +18,8 @@ REASONS = {STOP: "stop", LENGTH: "length"}
 class SlotBook:
     """Slots ↔ rows, per-slot output buffers and counters for one ``generate`` call."""
 
-    def __init__(self, num_slots: int, num_rows: int, width: int, capacity: int, speculative: bool) -> None:
-        self.width, self.speculative = width, speculative
+    def __init__(self, num_slots: int, num_rows: int, width: int, capacity: int) -> None:
+        self.width = width
         self.pending: deque[int] = deque(range(num_rows))
         self.row = np.full(num_slots, -1, dtype=np.int64)          # -1 = free slot
         self.tokens = np.zeros((num_slots, capacity + width + 1), dtype=np.int64)
@@ -27,6 +27,7 @@ class SlotBook:
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
         self.cycles = np.zeros(num_slots, dtype=np.int64)
         self.accepted = np.zeros(num_slots, dtype=np.int64)
+        self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
 
     def busy(self) -> bool:
@@ -41,6 +42,7 @@ class SlotBook:
         self.count[free] = 0
         self.cycles[free] = 0
         self.accepted[free] = 0
+        self.ar_steps[free] = 0
         self.hist[free] = 0
         self.prompt_len[free] = [prompt_lens[r] for r in rows]
         return free, rows
@@ -54,9 +56,10 @@ class SlotBook:
         committed = self.prompt_len[slots] + np.maximum(self.count[slots] - 1, 0)
         return int(committed.max()) + self.width
 
-    def record(self, slots: np.ndarray, packed: np.ndarray) -> np.ndarray:
-        """Fold one cycle's packed result in; return the slots whose rows finished."""
-        w = self.width
+    def record(self, slots: np.ndarray, packed: np.ndarray, speculative: bool
+               ) -> tuple[np.ndarray, np.ndarray, float]:
+        """Fold one iteration's packed result in → (finished slots, their reasons, mean L+1 of live rows)."""
+        w = packed.shape[1] - 5
         emitted, n_emit, n_acc, reason, alive, first = (packed[:, :w], packed[:, w], packed[:, w + 1],
                                                        packed[:, w + 2], packed[:, w + 3], packed[:, w + 4])
         new = first >= 0
@@ -66,19 +69,22 @@ class SlotBook:
         keep = np.arange(w)[None, :] < n_emit[:, None]
         self.tokens[np.broadcast_to(slots[:, None], cols.shape)[keep], cols[keep]] = emitted[keep]
         self.count[slots] += n_emit
+        live = alive.astype(bool)
+        if not speculative:
+            self.ar_steps[slots] += alive
+            return slots[reason != RUNNING], reason[reason != RUNNING], 1.0
         self.cycles[slots] += alive
         self.accepted[slots] += n_acc
-        live = alive.astype(bool)
         np.add.at(self.hist, (slots[live], n_acc[live]), 1)
-        return slots[reason != RUNNING], reason[reason != RUNNING]
+        mean_tokens = float(n_acc[live].mean() + 1) if live.any() else float("nan")
+        return slots[reason != RUNNING], reason[reason != RUNNING], mean_tokens
 
     def harvest(self, slot: int, reason: int, seed: int) -> tuple[int, GenerationResult]:
         """Free a finished slot → (row, result)."""
-        row, c = int(self.row[slot]), int(self.cycles[slot])
-        stats = RowStats(num_cycles=c, num_forward_passes=1 + c * (2 if self.speculative else 1),
-                         num_draft_tokens=c * (self.width - 1) if self.speculative else 0,
+        row, c, a = int(self.row[slot]), int(self.cycles[slot]), int(self.ar_steps[slot])
+        stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=c * (self.width - 1),
                          num_accepted_draft_tokens=int(self.accepted[slot]),
-                         accept_length_histogram=self.hist[slot].tolist())
+                         accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a)
         result = GenerationResult(self.tokens[slot, : self.count[slot]].tolist(), REASONS[reason], seed, stats)
         self.row[slot] = -1
         return row, result

@@ -8,6 +8,7 @@ the numpy book, harvest finished rows. Device work lives in ``decode.py``, host 
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ from orthrus.bookkeeping import SlotBook
 from orthrus.cache import RaggedKVCache
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import GenerationResult, SamplingParams
+from orthrus.policy import AR, SPEC, SpeculationPolicy
 from orthrus.proposer import DiffusionProposer, Proposer
 
 
@@ -79,38 +81,52 @@ class OrthrusEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 speculative: bool = True) -> list[GenerationResult]:
-        """Generate for every prompt; results come back in prompt order."""
+                 speculative: bool | str = True) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in prompt order.
+
+        ``speculative``: True (Orthrus cycles), False (plain AR, the baseline) or ``"auto"`` (per
+        iteration, whichever is measured faster at the current occupancy; see ``policy.py``).
+        """
+        if speculative not in (True, False, "auto"):
+            raise ValueError(f"speculative must be True, False or 'auto', got {speculative!r}")
         plist = self._validate(prompts, params)
         seeds = [p.seed if p.seed is not None else secrets.randbits(63) for p in plist]
-        width = self.block_size if speculative else 1
         stop_width = len(self.eos_token_ids) + max(len(p.stop_token_ids) for p in plist)
         st = decode.SlotState(self.max_batch_size, stop_width, self.device)
-        filtered = any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy)
-        all_greedy = all(p.greedy for p in plist)
-        book = SlotBook(self.max_batch_size, len(prompts), width, max(p.max_new_tokens for p in plist), speculative)
+        flags = (any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy), all(p.greedy for p in plist))
+        book = SlotBook(self.max_batch_size, len(prompts), self.block_size, max(p.max_new_tokens for p in plist))
+        policy = SpeculationPolicy() if speculative == "auto" else None
+        self.last_policy = policy
         lens = [len(p) for p in prompts]
         results: list[GenerationResult | None] = [None] * len(prompts)
         self.cache.reset()
         while book.busy():
             if book.pending and (book.row < 0).any():
                 slots, rows = book.admit(lens)
-                self._prefill(st, slots, rows, prompts, plist, seeds, filtered, all_greedy)
+                self._prefill(st, slots, rows, prompts, plist, seeds, *flags)
             slots = book.occupied()
-            slots_t = torch.as_tensor(slots, device=self.device)
-            all_slots = len(slots) == self.max_batch_size
-            if speculative:
-                packed = decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots,
-                                                  book.kv_len(slots), self.block_size, filtered, all_greedy,
-                                                  self.max_seq_len)
-            else:
-                packed = decode.ar_step(self.model, self.cache, st, slots_t, all_slots, book.kv_len(slots),
-                                        filtered, all_greedy, self.max_seq_len)
-            packed_host = packed.cpu().numpy()  # SYNC: the one device→host read per cycle
-            for slot, reason in zip(*book.record(slots, packed_host)):
+            spec = policy.choose(len(slots)) == SPEC if policy else bool(speculative)
+            start = time.perf_counter()
+            packed = self._iterate(st, slots, book.kv_len(slots), spec, *flags)
+            packed_host = packed.cpu().numpy()  # SYNC: the one device→host read per iteration
+            done, reasons, mean_tokens = book.record(slots, packed_host, spec)
+            if policy:
+                policy.observe(SPEC if spec else AR, len(slots), time.perf_counter() - start, mean_tokens)
+            for slot, reason in zip(done, reasons):
                 row, res = book.harvest(int(slot), int(reason), seeds[book.row[slot]])
                 results[row] = res
         return results  # type: ignore[return-value]
+
+    def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, spec: bool, filtered: bool,
+                 all_greedy: bool) -> torch.Tensor:
+        """One speculative cycle or AR step over the occupied slots → packed result (on the device)."""
+        slots_t = torch.as_tensor(slots, device=self.device)
+        all_slots = len(slots) == self.max_batch_size
+        if spec:
+            return decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots, kv_len,
+                                            self.block_size, filtered, all_greedy, self.max_seq_len)
+        return decode.ar_step(self.model, self.cache, st, slots_t, all_slots, kv_len, filtered, all_greedy,
+                              self.max_seq_len)
 
     def _prefill(self, st: decode.SlotState, slots: np.ndarray, rows: list[int],
                  prompts: Sequence[Sequence[int]], plist: list[SamplingParams], seeds: list[int],

@@ -51,22 +51,26 @@ class SamplingParams:
 class RowStats:
     """Speculation statistics of one row.
 
-    A *cycle* is one draft + verify (or one AR step when not speculating). Acceptance counts the
-    verifier's verdict ``L`` per cycle, before any stop truncates the block.
+    A *cycle* is one speculative draft + verify; an *AR step* is one plain decoding step (all of
+    them with ``speculative=False``, some with ``"auto"``). Acceptance counts the verifier's verdict
+    ``L`` per cycle, before any stop truncates the block.
     """
 
     num_cycles: int
-    num_forward_passes: int          # prefill + 2 per speculative cycle (1 per AR step)
-    num_draft_tokens: int            # (K - 1) per speculative cycle
+    num_forward_passes: int          # prefill + 2 per cycle + 1 per AR step
+    num_draft_tokens: int            # (K - 1) per cycle
     num_accepted_draft_tokens: int
     accept_length_histogram: list[int] = field(default_factory=list)  # [L] = cycles accepting L drafts
+    num_ar_steps: int = 0
 
     @property
     def tokens_per_cycle(self) -> float:
-        """Accepted drafts + 1 per cycle (a.k.a. acceptance length); TPF is half of it."""
-        if self.num_cycles == 0:
+        """Tokens per decode iteration: accepted drafts + 1 per cycle (the acceptance length; TPF is
+        half of it), counting an AR step as an iteration of 1 token (1.0 without speculation)."""
+        iterations = self.num_cycles + self.num_ar_steps
+        if iterations == 0:
             return 0.0
-        return (self.num_accepted_draft_tokens + self.num_cycles) / self.num_cycles
+        return (self.num_accepted_draft_tokens + iterations) / iterations
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def test_stats_are_consistent(model):
         assert len(s.accept_length_histogram) == engine.block_size
         assert s.num_accepted_draft_tokens == sum(i * c for i, c in enumerate(s.accept_length_histogram))
         assert s.num_draft_tokens == s.num_cycles * (engine.block_size - 1)
-        assert s.num_forward_passes == 1 + 2 * s.num_cycles
+        assert s.num_forward_passes == 1 + 2 * s.num_cycles and s.num_ar_steps == 0
         # every emitted token after the first comes from a cycle: at most L + 1 per cycle
         assert len(r.token_ids) - 1 <= s.num_accepted_draft_tokens + s.num_cycles
         assert s.tokens_per_cycle == pytest.approx((s.num_accepted_draft_tokens + s.num_cycles) / max(s.num_cycles, 1))
@@ -80,3 +80,20 @@ def test_greedy_rows_stay_exact_in_a_batch_that_also_samples(model):
     for i, (prompt, got) in enumerate(zip(PROMPTS, mixed)):
         if i % 2 == 0:
             assert got.token_ids == engine.generate([prompt], greedy, speculative=False)[0].token_ids
+
+
+def test_auto_speculation_is_exact_and_reports_both_kinds_of_iteration(model):
+    engine = OrthrusEngine(model, max_batch_size=3)
+    params = SamplingParams(max_new_tokens=40)
+    auto = engine.generate(PROMPTS, params, speculative="auto")
+    policy = engine.last_policy
+    ar = engine.generate(PROMPTS, params, speculative=False)
+    assert [r.token_ids for r in auto] == [r.token_ids for r in ar]
+    assert policy.chosen["spec"] > 0 and policy.chosen["ar"] > 0            # both were measured
+    for r in auto + ar:
+        s = r.stats
+        assert s.num_forward_passes == 1 + 2 * s.num_cycles + s.num_ar_steps
+        assert sum(s.accept_length_histogram) == s.num_cycles
+    assert all(r.stats.num_cycles == 0 and r.stats.tokens_per_cycle == 1.0 for r in ar if r.stats.num_ar_steps)
+    with pytest.raises(ValueError, match="speculative"):
+        engine.generate(PROMPTS, params, speculative="sometimes")
