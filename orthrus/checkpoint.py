@@ -110,7 +110,7 @@ def save_checkpoint(model: "OrthrusForCausalLM", path: str, dtype: torch.dtype |
     config.mask_token_id = model.mask_token_id
     config.save_pretrained(str(root))
     state = {k: v.detach().to(dtype=dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
-    config.torch_dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    config.dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(root / WEIGHTS), metadata={"format": "pt"})

@@ -1,0 +1,197 @@
+"""Speed benchmark: Orthrus vs our AR mode vs transformers ``generate``, per batch size.
+
+    python -m jobs.bench                       # CPU, bundled model + held-out prompts
+    python -m jobs.bench --device cuda         # H200: bf16, Qwen3-1.7B-shaped random weights, K=32
+
+All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
+of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
+Time split: draft forward / verify forward / the rest (sampling, acceptance, host bookkeeping),
+measured by timing the model's forward calls (synchronising first on GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+
+MODES = ("orthrus", "auto", "ar", "hf")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="models/tiny-orthrus-py")
+    ap.add_argument("--prompts", default="examples/shards")
+    ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,4,16,64 on CPU; 1,8,32,128 on GPU)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default="bench.json")
+    return ap.parse_args(argv)
+
+
+class ForwardTimer:
+    """Accumulates seconds spent in the model's cached forwards, split by view."""
+
+    def __init__(self, model: OrthrusForCausalLM) -> None:
+        self.model, self.inner, self.seconds = model, model.forward_cached, {"draft": 0.0, "verify": 0.0}
+
+        def timed(ids, cache, batch, diffusion):
+            self._sync()
+            t = time.perf_counter()
+            out = self.inner(ids, cache, batch, diffusion)
+            self._sync()
+            self.seconds["draft" if diffusion else "verify"] += time.perf_counter() - t
+            return out
+        model.forward_cached = timed
+
+    def _sync(self) -> None:
+        if next(self.model.parameters()).is_cuda:
+            torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        self.seconds = {"draft": 0.0, "verify": 0.0}
+
+
+def gpu_model() -> tuple[OrthrusForCausalLM, list[list[int]]]:
+    """Qwen3-1.7B-shaped random weights in bf16 and random prompts (cost ratios only)."""
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=6144, max_position_embeddings=40960,
+                      tie_word_embeddings=True, eos_token_id=[151645, 151643])
+    cfg.block_size, cfg.mask_token_id = 32, 151669
+    with torch.device("cuda"):
+        model = OrthrusForCausalLM(cfg).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, [torch.randint(0, 150000, (200,), generator=g).tolist() for _ in range(256)]
+
+
+def cpu_model(args) -> tuple[OrthrusForCausalLM, list[list[int]]]:
+    """The bundled model and its held-out prompts."""
+    tok = AutoTokenizer.from_pretrained(args.model)
+    texts = pads.dataset(args.prompts, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
+    return (OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32),
+            [tok(t, add_special_tokens=False)["input_ids"] for t in texts])
+
+
+def run_engine(engine: OrthrusEngine, timer: ForwardTimer, prompts, max_new: int, mode: str) -> dict:
+    timer.reset()
+    spec = {"orthrus": True, "auto": "auto", "ar": False}[mode]
+    params = [SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
+    timer._sync()
+    t = time.perf_counter()
+    res = engine.generate(prompts, params, speculative=spec)
+    timer._sync()
+    dt = time.perf_counter() - t
+    tokens = sum(len(r.token_ids) for r in res)
+    cycles = sum(r.stats.num_cycles for r in res)
+    iters = cycles + sum(r.stats.num_ar_steps for r in res)
+    tpc = (sum(r.stats.num_accepted_draft_tokens for r in res) + iters) / max(iters, 1)
+    return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_cycle": tpc,
+            "tpf": tpc / 2 if mode == "orthrus" else None, "draft_s": timer.seconds["draft"],
+            "verify_s": timer.seconds["verify"],
+            "rest_s": dt - timer.seconds["draft"] - timer.seconds["verify"]}
+
+
+def run_hf(hf: Qwen3ForCausalLM, prompts, max_new: int, eos: tuple[int, ...], device: str) -> dict:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):            # left padding, as HF batched generation expects
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    t = time.perf_counter()
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                      eos_token_id=list(eos), pad_token_id=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    gen = out[:, width:].tolist()
+    tokens = sum(next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in gen)
+    return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
+
+
+def median_cells(samples: dict[str, list[dict]]) -> dict[str, dict]:
+    return {mode: {k: (statistics.median(s[k] for s in runs) if runs[0][k] is not None else None)
+                   for k in runs[0]} for mode, runs in samples.items() if runs}
+
+
+def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
+    """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
+    engine = OrthrusEngine(model, max_batch_size=b, max_seq_len=min(1024, model.config.max_position_embeddings))
+    timer = ForwardTimer(model)
+    batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+    samples: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(args.reps + 1):
+        for mode in modes:
+            if mode == "hf":
+                cell = run_hf(hf, batch_prompts, args.max_new_tokens, engine.eos_token_ids, args.device)
+            else:
+                cell = run_engine(engine, timer, batch_prompts, args.max_new_tokens, mode)
+            if rep:
+                samples[mode].append(cell)
+    model.forward_cached = timer.inner
+    cells = median_cells(samples)
+    for mode, cell in cells.items():
+        if "ar" in cells:
+            cell["vs_ar"] = cell["tokens_per_s"] / cells["ar"]["tokens_per_s"]
+        if "hf" in cells:
+            cell["vs_hf"] = cell["tokens_per_s"] / cells["hf"]["tokens_per_s"]
+    if "orthrus" in cells and "ar" in cells:
+        cycle = cells["orthrus"]["seconds"] / max(1, cells["orthrus"]["tokens"] / cells["orthrus"]["tokens_per_cycle"])
+        step = cells["ar"]["seconds"] / max(1, cells["ar"]["tokens"])
+        cells["cycle_over_ar_step"] = cycle / step
+    return cells
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, prompts = gpu_model() if args.device == "cuda" else cpu_model(args)
+    default_bs = "1,8,32,128" if args.device == "cuda" else "1,4,16,64"
+    sizes = [int(x) for x in (args.batch_sizes or default_bs).split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    hf = None
+    if "hf" in modes:
+        hf = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype).to(args.device).eval()
+        hf.load_state_dict({k: v for k, v in model.state_dict().items() if "_diff." not in k}, strict=False)
+    report = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+              "block_size": model.block_size, "reps": args.reps, "results": {}}
+    for b in sizes:
+        report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
+        print_row(b, report["results"][b])
+    report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.device == "cuda":
+        report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+def print_row(b: int, cells: dict) -> None:
+    parts = [f"B={b:<4}"]
+    for mode in MODES:
+        c = cells.get(mode)
+        if c:
+            extra = f" tpc={c['tokens_per_cycle']:.2f}" if "tokens_per_cycle" in c else ""
+            ratio = f" ×AR={c['vs_ar']:.2f}" if "vs_ar" in c and mode != "ar" else ""
+            ratio += f" ×HF={c['vs_hf']:.2f}" if "vs_hf" in c and mode != "hf" else ""
+            parts.append(f"{mode}: {c['tokens_per_s']:.0f} tok/s{extra}{ratio}")
+    if "cycle_over_ar_step" in cells:
+        parts.append(f"cycle/AR-step={cells['cycle_over_ar_step']:.2f}")
+    print(" | ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
