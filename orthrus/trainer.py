@@ -31,7 +31,9 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 4
     anchors: int = 32            # anchors (blocks) per sequence
-    block_size: int = 16
+    block_size: int = 16         # the largest block; saved as the model's block_size
+    min_block_size: int = 0      # >0: each step draws K from the powers of two in [min, block_size],
+                                 # so the twins also serve smaller blocks (cheaper cycles)
     lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.0
@@ -107,16 +109,18 @@ class DiffusionTrainer:
         idx = torch.randint(0, self.rows.shape[0], (c.batch_size,), generator=self.gen)
         tokens = self.rows[idx]
         anchors = sample_anchors(c.batch_size, tokens.shape[1], c.anchors, self.gen)
+        sizes = [k for k in (1 << i for i in range(1, 12)) if c.min_block_size <= k < c.block_size] + [c.block_size]
+        k = sizes[int(torch.randint(0, len(sizes), (1,), generator=self.gen))] if c.min_block_size else c.block_size
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(self.step_no)
         self.model.train()
-        loss, stats = distill_loss(self.model, tokens, anchors, c.block_size)
+        loss, stats = distill_loss(self.model, tokens, anchors, k)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
         self.step_no += 1
-        return {"loss": stats.loss, "top1": stats.top1_agreement}
+        return {"loss": stats.loss, "top1": stats.top1_agreement, "block_size": k}
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy tokens per cycle with the engine (empty dict without eval prompts)."""
