@@ -1,0 +1,22 @@
+"""Connect the driver to Ray: the cluster of ``ray job submit`` / ``--address``, or an embedded one."""
+from __future__ import annotations
+
+import os
+
+
+def connect(address: str | None = None) -> str:
+    """Initialise Ray once; returns 'cluster' or 'local' (embedded, on this machine's CPUs).
+
+    ``ray job submit`` sets ``RAY_ADDRESS`` for the driver, so the same command runs on a cluster
+    and, without that variable, on an embedded local Ray.
+    """
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return "cluster" if address else "local"
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return "cluster"
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
+    return "local"

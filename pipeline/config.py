@@ -1,0 +1,200 @@
+"""Job configuration: a pydantic model loaded from YAML, with ``--set key.path=value`` overrides.
+
+Every section rejects unknown keys (``extra="forbid"``), so a typo fails at load time naming the
+field instead of silently falling back to a default.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending field (``section.field``)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Section):
+    """Where the prompts come from and which columns hold what."""
+
+    paths: list[str] = Field(min_length=1, description=(
+        "Parquet inputs: files, directories (read recursively) or glob patterns. Relative paths are "
+        "resolved against the driver's working directory; on a cluster use shared storage."))
+    id_column: str = Field("id", min_length=1, description=(
+        "Column holding each row's unique id. If no input file has it, ids are derived as "
+        "'<file name>:<row index>'."))
+    prompt_column: str = Field("prompt", min_length=1, description="Column holding a plain-text prompt.")
+    messages_column: str = Field("messages", min_length=1, description=(
+        "Column holding chat messages (list of {role, content}, or the same as a JSON string)."))
+
+
+class OutputConfig(_Section):
+    """Where completions and the run summary go."""
+
+    path: str = Field(min_length=1, description=(
+        "Output directory: Parquet parts under data/, summary.json and summary.png at the top. "
+        "Must not be inside an input directory."))
+
+
+class ModelConfig(_Section):
+    """The Orthrus checkpoint to load."""
+
+    path: str = Field(min_length=1, description=(
+        "Local HF-layout checkpoint directory (with tokenizer files), or a Hugging Face hub id."))
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit); hub ids only.")
+
+
+class PromptConfig(_Section):
+    """How a row becomes prompt text."""
+
+    chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
+        "'on': apply the tokenizer's chat template (messages, or the prompt as one user message); "
+        "'off': tokenize the prompt column as is; 'auto': 'on' if the tokenizer has a template."))
+    enable_thinking: bool | None = Field(None, description=(
+        "Passed to the chat template as enable_thinking (Qwen3 thinking mode); None leaves the "
+        "template's default."))
+
+
+class SamplingConfig(_Section):
+    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/seed override them."""
+
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    max_new_tokens: int = Field(256, ge=1, description="Most tokens generated per sample.")
+    stop: list[str] = Field(default_factory=list, description=(
+        "Stop strings: the completion is cut before the first one (finish_reason 'stop')."))
+    stop_token_ids: list[int] = Field(default_factory=list, description=(
+        "Extra token ids that end a sample (the model's EOS ids always do)."))
+    n: int = Field(1, ge=1, description="Samples per prompt (sample_index 0 .. n-1).")
+    seed: int = Field(0, ge=0, lt=2**63, description=(
+        "Base seed: each sample's seed is derived from (seed, id, sample_index), so output does not "
+        "depend on batching. A row's own 'seed' column wins (seed + sample_index)."))
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+
+class EngineConfig(_Section):
+    """How each replica runs the Orthrus engine."""
+
+    max_batch_size: int = Field(8, ge=1, description="Decoding slots per replica (continuous batching).")
+    batch_size: int = Field(64, ge=1, description=(
+        "Rows handed to one actor call; also the unit of durable progress (one output file each)."))
+    block_size: int | None = Field(None, ge=2, description="Draft block size K; None = the model's.")
+    speculative: bool = Field(True, description="Self-speculative decoding; false = plain AR on the same engine.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Weights dtype; 'auto' = bfloat16 on GPU, float32 on CPU."))
+    max_seq_len: int | None = Field(None, ge=2, description=(
+        "Context limit (prompt + generated tokens); None = the model's max_position_embeddings."))
+
+
+class ResourcesConfig(_Section):
+    """Ray resources of the generation actors."""
+
+    replicas: int | None = Field(None, ge=1, description=(
+        "Number of model replicas (actors); None = one per GPU in the cluster, or 1 without GPUs."))
+    gpus_per_replica: float | None = Field(None, ge=0.0, description=(
+        "GPUs per replica; None = 1 when the cluster has GPUs, 0 (CPU) otherwise. Set it explicitly "
+        "on an autoscaling cluster whose GPU workers are not up yet."))
+    cpus_per_replica: float = Field(1.0, gt=0.0, description=(
+        "CPUs per replica; leave at least one CPU free for the read/tokenize/detokenize tasks."))
+
+
+class BehaviourConfig(_Section):
+    """What to do with an existing output directory."""
+
+    resume: bool = Field(False, description="Continue into an existing output dir, skipping finished rows.")
+    overwrite: bool = Field(False, description="Delete an existing output dir (of a previous run) first.")
+
+    @model_validator(mode="after")
+    def _exclusive(self) -> "BehaviourConfig":
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite are mutually exclusive")
+        return self
+
+
+class JobConfig(_Section):
+    """One generation job."""
+
+    input: InputConfig = Field(description="Input Parquet files and column names.")
+    output: OutputConfig = Field(description="Output directory.")
+    model: ModelConfig = Field(description="Checkpoint to load.")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt formatting.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling defaults.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine settings.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Actor resources.")
+    behaviour: BehaviourConfig = Field(default_factory=BehaviourConfig, description="Resume / overwrite.")
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    """One line per problem, each starting with the dotted field path."""
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the job config)"
+        lines.append(f"  {where}: {msg}")
+    return f"invalid job config ({source}):\n" + "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``'sampling.temperature=0.7'`` -> (['sampling', 'temperature'], 0.7); the value is YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted key in a copy of ``data``; unknown keys are left for validation to reject."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), source: str | None = None,
+                data: dict[str, Any] | None = None) -> JobConfig:
+    """Read YAML (or take ``data``), apply overrides, validate; raise :class:`ConfigError` on problems."""
+    if data is None:
+        if path is None:
+            raise ConfigError("no config given: pass --config FILE")
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    try:
+        return JobConfig.model_validate(apply_overrides(data, list(overrides)))
+    except ValidationError as e:
+        raise ConfigError(_describe(e, source or str(path or "<dict>"))) from None

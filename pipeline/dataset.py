@@ -1,0 +1,40 @@
+"""The Ray Data graph: read_parquet -> preprocess (CPU tasks) -> generate + detokenize (actors).
+
+The driver consumes the result and commits each block (see ``output.py``); nothing here writes.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.config import JobConfig
+from pipeline.inputs import InputPlan
+from pipeline.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.resources import Placement
+from pipeline.stage import GenerationStage, StagePlan
+
+
+def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, placement: Placement,
+                  stage_cls: type = GenerationStage):
+    """The lazy dataset whose blocks are finished output rows (plus internal columns)."""
+    import ray.data
+
+    derive_ids = inputs.id_column is None
+    ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
+                               file_extensions=None)
+    pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
+                         finished=finished if len(finished) else None)
+    ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow")
+    # Small shards arrive as one block; re-cut into batch-sized blocks so work spreads over the
+    # actors and each finished batch reaches the driver (and disk) while the job runs.
+    ds = ds.repartition(target_num_rows_per_block=config.engine.batch_size)
+    return ds.map_batches(
+        stage_cls,
+        fn_constructor_kwargs={"plan": StagePlan(model=config.model, engine=config.engine,
+                                                 sampling=config.sampling, use_gpu=placement.use_gpu)},
+        batch_size=config.engine.batch_size,
+        batch_format="pyarrow",
+        # One batch running and one queued per actor: enough to hide hand-over, little to redo.
+        compute=ray.data.ActorPoolStrategy(size=placement.replicas, max_tasks_in_flight_per_actor=2),
+        num_gpus=placement.gpus_per_replica,
+        num_cpus=placement.cpus_per_replica,
+    )

@@ -1,0 +1,190 @@
+"""Input preflight: resolve Parquet paths and check files, columns and ids before any model loads.
+
+Everything here reads Parquet footers (and the id column) on the driver, so a missing column, an
+unreadable file or a duplicate id fails the job at once, naming the file and the field.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.config import ConfigError, InputConfig
+from pipeline.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
+                             RAY_ROW_HASH_COLUMN)
+
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """What the pipeline needs to know about its inputs (picklable; shipped to Ray tasks)."""
+
+    files: tuple[str, ...]              # absolute paths, sorted
+    file_rows: tuple[int, ...]          # rows per file, aligned with ``files``
+    roots: tuple[str, ...]              # directories searched (and single files named) by input.paths
+    schema: pa.Schema                   # unified schema of all files
+    num_rows: int
+    id_column: str | None               # None: ids derived as "<file name>:<row index>"
+    prompt_column: str | None           # None when no file has it
+    messages_column: str | None
+    override_columns: tuple[str, ...]   # per-row sampling overrides present in the input
+    passthrough: tuple[str, ...]        # input columns copied to the output unchanged
+
+    @property
+    def rows_per_file(self) -> dict[str, int]:
+        """Row count of each input file (bounds the derived row indices)."""
+        return dict(zip(self.files, self.file_rows))
+
+    @property
+    def passthrough_fields(self) -> list[pa.Field]:
+        """Arrow fields of the pass-through columns (part of the output schema)."""
+        return [self.schema.field(name) for name in self.passthrough]
+
+
+def _walk(directory: str) -> list[str]:
+    """Parquet files under ``directory``, skipping hidden and ``_``-prefixed entries (temp files)."""
+    found = []
+    for d, subdirs, names in os.walk(directory):
+        subdirs[:] = [x for x in subdirs if not x.startswith((".", "_"))]
+        found += [os.path.join(d, f) for f in names if f.endswith(".parquet") and not f.startswith((".", "_"))]
+    return found
+
+
+def _expand(pattern: str, index: int) -> tuple[list[str], str]:
+    """Files matched by one ``input.paths`` entry, and the directory they were searched in."""
+    where = f"input.paths[{index}] ({pattern!r})"
+    if any(c in pattern for c in _GLOB_CHARS):
+        files = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        root = pattern
+        while any(c in root for c in _GLOB_CHARS):
+            root = os.path.dirname(root)
+        root = root or "."
+    elif os.path.isdir(pattern):
+        root, files = pattern, _walk(pattern)
+    elif os.path.isfile(pattern):
+        files, root = [pattern], pattern  # a single file: only the file itself is "the input"
+    else:
+        raise ConfigError(f"{where}: no such file or directory")
+    if not files:
+        raise ConfigError(f"{where}: matched no Parquet files")
+    return [os.path.realpath(f) for f in files], os.path.realpath(root)
+
+
+def resolve_files(cfg: InputConfig) -> tuple[list[str], list[str]]:
+    """All input files (deduplicated, sorted) and the directories they came from."""
+    files: set[str] = set()
+    roots: list[str] = []
+    for i, pattern in enumerate(cfg.paths):
+        found, root = _expand(pattern, i)
+        files.update(found)
+        roots.append(root)
+    return sorted(files), roots
+
+
+def _read_schema(path: str) -> tuple[pa.Schema, int]:
+    try:
+        meta = pq.ParquetFile(path).metadata
+        return meta.schema.to_arrow_schema(), meta.num_rows
+    except (OSError, pa.ArrowException) as e:
+        raise ConfigError(f"input file {path} is not a readable Parquet file: {e}") from None
+
+
+def _check_type(name: str, typ: pa.DataType, ok: bool, expected: str, files: list[str]) -> None:
+    if not ok:
+        raise ConfigError(f"input column {name!r} has type {typ}, expected {expected} "
+                          f"(first file: {files[0]})")
+
+
+def _check_types(schema: pa.Schema, id_col: str | None, prompt: str | None, messages: str | None,
+                 overrides: tuple[str, ...], files: list[str]) -> None:
+    """Reject column types the preprocessing cannot read (the row-level checks come later)."""
+    is_text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)  # noqa: E731
+    if id_col:
+        t = schema.field(id_col).type
+        _check_type(id_col, t, is_text(t) or pa.types.is_integer(t), "string or integer", files)
+    if prompt:
+        t = schema.field(prompt).type
+        _check_type(prompt, t, is_text(t) or pa.types.is_null(t), "string", files)
+    if messages:
+        t = schema.field(messages).type
+        ok = is_text(t) or pa.types.is_null(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+        _check_type(messages, t, ok, "list of {role, content} or JSON string", files)
+    for name in overrides:
+        t = schema.field(name).type
+        ok = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)
+        _check_type(name, t, ok, "a number", files)
+
+
+def _check_ids(files: list[str], id_col: str) -> None:
+    """Ids are the exactly-once key: every row needs one, and no two rows may share one."""
+    chunks = []
+    for path in files:
+        col = pq.read_table(path, columns=[id_col])[id_col]
+        if col.null_count:
+            raise ConfigError(f"input file {path}: {col.null_count} row(s) have a null {id_col!r} "
+                              f"(input.id_column); every row needs an id")
+        chunks.append(pc.cast(col, pa.string()))
+    counts = pc.value_counts(pa.chunked_array(chunks, type=pa.string()))
+    dups = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if len(dups):
+        first = next(f for f, c in zip(files, chunks) if pc.any(pc.equal(c, dups[0])).as_py())
+        raise ConfigError(f"input column {id_col!r} (input.id_column) has {len(dups)} duplicate id(s), "
+                          f"e.g. {dups[0].as_py()!r} (in {first}); ids must be unique")
+
+
+def _unify(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise ConfigError(f"input files have incompatible schemas ({files[0]} ... {files[-1]}): {e}") from None
+
+
+def _id_column(cfg: InputConfig, schemas: list[pa.Schema], files: list[str]) -> str | None:
+    has = [cfg.id_column in s.names for s in schemas]
+    if all(has):
+        return cfg.id_column
+    if any(has):
+        missing = [f for f, h in zip(files, has) if not h]
+        raise ConfigError(f"id column {cfg.id_column!r} (input.id_column) is missing from {len(missing)} "
+                          f"input file(s), e.g. {missing[0]}; give every file ids or none")
+    names = Counter(os.path.basename(f) for f in files)
+    twins = [n for n, c in names.items() if c > 1]
+    if twins:
+        raise ConfigError(f"no id column {cfg.id_column!r} (input.id_column) and two input files are named "
+                          f"{twins[0]!r}: derived ids '<file name>:<row index>' would collide")
+    return None
+
+
+def inspect_inputs(cfg: InputConfig) -> InputPlan:
+    """Resolve and check the inputs; raise :class:`ConfigError` naming the file or field."""
+    files, roots = resolve_files(cfg)
+    schemas, counts = zip(*(_read_schema(f) for f in files))
+    schema = _unify(list(schemas), files)
+    id_col = _id_column(cfg, list(schemas), files)
+    prompt = cfg.prompt_column if cfg.prompt_column in schema.names else None
+    messages = cfg.messages_column if cfg.messages_column in schema.names else None
+    if prompt is None and messages is None:
+        raise ConfigError(f"no input file has the prompt column {cfg.prompt_column!r} (input.prompt_column) "
+                          f"or the messages column {cfg.messages_column!r} (input.messages_column); "
+                          f"columns are {schema.names}")
+    overrides = tuple(c for c in OVERRIDE_COLUMNS if c in schema.names)
+    consumed = {id_col, prompt, messages, *overrides} - {None}
+    passthrough = tuple(n for n in schema.names if n not in consumed)
+    clash = [n for n in passthrough if n in OUTPUT_NAMES or n.startswith(INTERNAL_PREFIX)]
+    if id_col is None:
+        clash += [n for n in (RAY_PATH_COLUMN, RAY_ROW_HASH_COLUMN) if n in schema.names]
+    if clash:
+        raise ConfigError(f"input column {clash[0]!r} clashes with a column the job writes or uses; "
+                          f"rename it (or set input.id_column if it is the id)")
+    _check_types(schema, id_col, prompt, messages, overrides, files)
+    if id_col is not None:
+        _check_ids(files, id_col)
+    return InputPlan(files=tuple(files), file_rows=tuple(counts), roots=tuple(roots), schema=schema, num_rows=sum(counts),
+                     id_column=id_col, prompt_column=prompt, messages_column=messages,
+                     override_columns=overrides, passthrough=passthrough)

@@ -1,0 +1,44 @@
+"""Locate a checkpoint (local directory or Hugging Face hub id) and load its tokenizer once per process."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+from pipeline.config import ConfigError, ModelConfig
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+_METADATA = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]  # config + tokenizer, no weights
+
+
+@functools.lru_cache(maxsize=8)  # per process: hub lookups are network calls
+def resolve_model_dir(cfg: ModelConfig, weights: bool = True) -> str:
+    """A local directory holding the checkpoint; hub ids are fetched into the local HF cache.
+
+    Runs on the driver (preflight: ``weights=False``, config and tokenizer only) and again on every
+    actor, because actors may sit on nodes whose cache the driver never filled.
+    """
+    if os.path.isdir(cfg.path):
+        return os.path.abspath(cfg.path)
+    if not _HUB_ID.match(cfg.path):
+        raise ConfigError(f"model.path: {cfg.path!r} is neither a local directory nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(cfg.path, revision=cfg.revision, allow_patterns=None if weights else _METADATA)
+    except Exception as e:  # network, auth or missing repo: all mean "cannot get this model"
+        raise ConfigError(f"model.path: {cfg.path!r} is not a local directory and could not be fetched "
+                          f"from the hub ({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer (cached: Ray reuses worker processes across tasks)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+        raise ConfigError(f"model.path: cannot load a tokenizer from {model_dir} ({type(e).__name__}: {e})") from None

@@ -1,0 +1,136 @@
+"""The output directory and its exactly-once commit protocol.
+
+Layout::
+
+    <output>/data/part-<run>-<seq>.parquet   committed rows (read the output as this directory)
+    <output>/_tmp/                          files being written; never output, wiped at start
+    <output>/_job.json                      marker: this is an Orthrus output dir (+ current run)
+    <output>/summary.json, summary.png
+
+Exactly once: the driver is the only writer. Each batch Ray Data hands it is written to ``_tmp``,
+fsynced, then renamed into ``data/`` (``os.replace`` is atomic), so a part file is either complete
+or absent. On resume the (id, sample_index) keys of every committed part are the finished set and
+the preprocessing drops them before tokenization. A run killed at any point leaves only complete
+parts; the rows it had in flight are simply not in the finished set and are generated again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pds
+import pyarrow.parquet as pq
+
+from pipeline.config import BehaviourConfig, ConfigError
+from pipeline.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
+
+DATA_DIR, TMP_DIR, MARKER = "data", "_tmp", "_job.json"
+SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
+_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG}
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class OutputDir:
+    """One job's output directory (local or shared filesystem path)."""
+
+    def __init__(self, path: str) -> None:
+        self.root = Path(os.path.realpath(path))  # real paths: a symlink cannot hide output-in-input
+        self.data, self.tmp, self.marker = self.root / DATA_DIR, self.root / TMP_DIR, self.root / MARKER
+        self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self._seq = 0
+
+    def check(self, behaviour: BehaviourConfig, input_roots: tuple[str, ...], input_files: tuple[str, ...],
+              model: str) -> None:
+        """Refuse unsafe layouts before anything is written (no side effects)."""
+        for root in map(Path, input_roots):
+            if _inside(self.root, root):
+                raise ConfigError(f"output.path {self.root} is inside the input {root}; a rerun would read "
+                                  "its own output. Choose a directory outside the inputs")
+        inside = [f for f in input_files if _inside(Path(f), self.root)]
+        if inside:
+            raise ConfigError(f"input file {inside[0]} is inside output.path {self.root}")
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"output.path {self.root} exists and is not a directory")
+        if not self.has_content():
+            return
+        if not (behaviour.resume or behaviour.overwrite):
+            raise ConfigError(f"output.path {self.root} already holds output; pass --resume to continue it "
+                              "(behaviour.resume) or --overwrite to replace it (behaviour.overwrite)")
+        foreign = sorted(p.name for p in self.root.iterdir() if p.name not in _OURS)
+        if not self.marker.exists() or foreign:
+            raise ConfigError(f"output.path {self.root} is not an Orthrus output directory (no {MARKER}"
+                              f"{', has ' + foreign[0] if foreign else ''}); refusing to "
+                              f"{'overwrite' if behaviour.overwrite else 'resume into'} it")
+        previous = json.loads(self.marker.read_text()).get("model")
+        if behaviour.resume and previous not in (None, model):
+            raise ConfigError(f"output.path {self.root} was generated with model {previous!r}; resuming with "
+                              f"model.path {model!r} would mix models in one output")
+
+    def has_content(self) -> bool:
+        """Whether the directory exists and is non-empty."""
+        return self.root.is_dir() and any(self.root.iterdir())
+
+    def prepare(self, behaviour: BehaviourConfig, meta: dict) -> None:
+        """Create (or clear, with overwrite) the directory, wipe stale temp files, write the marker."""
+        if behaviour.overwrite and self.has_content():
+            for name in _OURS:
+                p = self.root / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)  # leftovers of a killed run: never committed
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir(exist_ok=True)
+        self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
+
+    def write_atomic(self, name: str, payload: bytes) -> Path:
+        """Write a top-level file so readers see the old or the new version, never half of one."""
+        dest = self.root / name
+        tmp = self.tmp / f"{name}.{uuid.uuid4().hex}"
+        tmp.write_bytes(payload)
+        os.replace(tmp, dest)
+        return dest
+
+    def part_files(self) -> list[Path]:
+        """Committed part files, sorted."""
+        return sorted(self.data.glob("part-*.parquet")) if self.data.is_dir() else []
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """All committed rows (optionally some columns only)."""
+        files = [str(p) for p in self.part_files()]
+        if not files:
+            empty = pa.schema(OUTPUT_FIELDS).empty_table()
+            return empty.select(columns) if columns else empty
+        return pds.dataset(files, format="parquet").to_table(columns=columns)
+
+    def finished_keys(self) -> pa.Array:
+        """Keys (id, sample_index) of every committed row: the resume skip set."""
+        t = self.read(list(KEY_COLUMNS))
+        return key_strings(t["id"], t["sample_index"]).combine_chunks() if t.num_rows else pa.array([], pa.string())
+
+    def commit(self, table: pa.Table) -> Path:
+        """Atomically add one part file (temp file, fsync, rename)."""
+        name = f"part-{self.run_id}-{self._seq:06d}.parquet"
+        self._seq += 1
+        tmp = self.tmp / (name + ".inprogress")
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.data / name)
+        _fsync_dir(self.data)  # the rename itself survives a machine crash
+        return self.data / name

@@ -1,0 +1,152 @@
+"""CPU stage: validate, expand to n samples, skip finished keys, format and tokenize.
+
+Runs as a Ray Data task over Arrow batches. A row that cannot be used becomes an error row (the
+``error`` column is set and it skips generation); nothing a single row holds can fail the batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from orthrus import SamplingParams
+from pipeline import schema as S
+from pipeline.config import ModelConfig, PromptConfig, SamplingConfig
+from pipeline.inputs import InputPlan
+from pipeline.model_files import load_tokenizer, resolve_model_dir
+from pipeline.prompts import RowError, format_prompt
+from pipeline.row_ids import derive_ids
+
+
+@dataclass(frozen=True)
+class PreprocessPlan:
+    """Everything the preprocessing task needs (shipped once per operator by Ray Data)."""
+
+    inputs: InputPlan
+    model: ModelConfig
+    prompt: PromptConfig
+    sampling: SamplingConfig
+    finished: pa.Array | None = None   # keys (see schema.key_strings) already in the output
+
+
+def derive_seed(base: int, row_id: str, sample_index: int) -> int:
+    """A per-sample seed in [0, 2**63) that depends only on (base seed, id, sample index)."""
+    digest = hashlib.blake2b(f"{base}\x1f{row_id}\x1f{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _as_int(name: str, value: Any) -> int:
+    """Parquet may store integer overrides as floats; accept 40.0, reject 0.5."""
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise RowError(f"column {name!r} must be an integer, got {value!r}")
+        return int(value)
+    return int(value)
+
+
+def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: SamplingConfig) -> SamplingParams:
+    """The sample's SamplingParams: config defaults, overridden by the row's non-null columns."""
+    def pick(name: str) -> Any:
+        value = row.get(name)
+        return getattr(cfg, name) if value is None else value
+
+    row_seed = row.get("seed")
+    seed = derive_seed(cfg.seed, row_id, sample_index) if row_seed is None \
+        else _as_int("seed", row_seed) + sample_index
+    try:
+        return SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
+                              top_k=_as_int("top_k", pick("top_k")),
+                              max_new_tokens=_as_int("max_new_tokens", pick("max_new_tokens")),
+                              seed=seed, stop_token_ids=tuple(cfg.stop_token_ids))
+    except (ValueError, TypeError, OverflowError) as e:
+        raise RowError(str(e)) from None
+
+
+def _row_ids(batch: pa.Table, plan: InputPlan) -> list[str]:
+    if plan.id_column is not None:
+        return pc.cast(batch[plan.id_column], pa.string()).to_pylist()
+    return derive_ids(batch[S.RAY_PATH_COLUMN], batch[S.RAY_ROW_HASH_COLUMN], plan.rows_per_file)
+
+
+def _expand(ids: list[str], n: int, finished: pa.Array | None) -> tuple[np.ndarray, np.ndarray]:
+    """(input row index, sample index) of every sample not yet in the output."""
+    rows = np.repeat(np.arange(len(ids)), n)
+    samples = np.tile(np.arange(n), len(ids))
+    if finished is not None and len(finished) and len(rows):
+        keys = S.key_strings(pa.array(ids, pa.string()).take(rows), pa.array(samples))
+        keep = ~np.asarray(pc.is_in(keys, value_set=finished).to_numpy(zero_copy_only=False), dtype=bool)
+        rows, samples = rows[keep], samples[keep]
+    return rows, samples
+
+
+def _values(batch: pa.Table, name: str | None) -> list:
+    """A column as Python values; all None when this batch's file lacks it (schemas may differ)."""
+    return batch[name].to_pylist() if name in batch.column_names else [None] * batch.num_rows
+
+
+def _tokenize(batch: pa.Table, needed: np.ndarray, plan: PreprocessPlan) -> dict[int, list[int] | str]:
+    """Prompt token ids per needed input row, or the row's error message."""
+    tokenizer = load_tokenizer(resolve_model_dir(plan.model, weights=False))
+    prompts = _values(batch, plan.inputs.prompt_column)
+    messages = _values(batch, plan.inputs.messages_column)
+    out: dict[int, list[int] | str] = {}
+    texts: dict[int, str] = {}
+    add_special = True
+    for i in needed.tolist():
+        try:
+            texts[i], add_special = format_prompt(prompts[i], messages[i], plan.prompt, tokenizer)
+        except RowError as e:
+            out[i] = str(e)
+    if texts:
+        encoded = tokenizer(list(texts.values()), add_special_tokens=add_special)["input_ids"]
+        for i, ids in zip(texts, encoded):
+            out[i] = list(ids) if ids else "prompt is empty after tokenization"
+    return out
+
+
+def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
+    """Input rows -> one row per pending (id, sample_index), tokenized or marked as an error."""
+    ids = _row_ids(batch, plan.inputs)
+    rows, samples = _expand(ids, plan.sampling.n, plan.finished)
+    tokens = _tokenize(batch, np.unique(rows), plan)
+    overrides = {name: _values(batch, name) for name in plan.inputs.override_columns}
+    cols: dict[str, list] = {k: [] for k in ("id", "sample_index", "seed", "num_prompt_tokens", "error",
+                                             S.PROMPT_IDS, S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS)}
+    for r, s in zip(rows.tolist(), samples.tolist()):
+        tok, params, error = tokens[r], None, None
+        try:
+            params = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling)
+        except RowError as e:
+            error = str(e)
+        if isinstance(tok, str):
+            error = tok
+        ok = error is None
+        cols["id"].append(ids[r])
+        cols["sample_index"].append(s)
+        cols["seed"].append(params.seed if params else None)
+        cols["num_prompt_tokens"].append(len(tok) if not isinstance(tok, str) else None)
+        cols["error"].append(error)
+        cols[S.PROMPT_IDS].append(tok if ok else [])
+        cols[S.TEMPERATURE].append(params.temperature if ok else None)
+        cols[S.TOP_P].append(params.top_p if ok else None)
+        cols[S.TOP_K].append(params.top_k if ok else None)
+        cols[S.MAX_NEW_TOKENS].append(params.max_new_tokens if ok else None)
+    present = [c for c in plan.inputs.passthrough if c in batch.column_names]  # a file may lack one
+    return _assemble(cols, batch.select(present).take(rows))
+
+
+_TYPES = {"id": pa.string(), "sample_index": pa.int64(), "seed": pa.int64(), "num_prompt_tokens": pa.int64(),
+          "error": pa.string(), S.PROMPT_IDS: pa.list_(pa.int32()), S.TEMPERATURE: pa.float64(),
+          S.TOP_P: pa.float64(), S.TOP_K: pa.int64(), S.MAX_NEW_TOKENS: pa.int64()}
+
+
+def _assemble(cols: dict[str, list], passthrough: pa.Table) -> pa.Table:
+    table = pa.table({name: pa.array(values, _TYPES[name]) for name, values in cols.items()})
+    for name in passthrough.column_names:
+        table = table.append_column(passthrough.schema.field(name), passthrough[name])
+    return table

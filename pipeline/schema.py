@@ -1,0 +1,70 @@
+"""Column names and Arrow types: the output contract, and the internal columns between stages.
+
+Every output part file has exactly :func:`output_schema` (fixed columns, then the input's
+pass-through columns), so the output directory reads as one table whatever each batch held.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+# The output contract (issue: "Output columns"), in file order.
+OUTPUT_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("id", pa.string()),
+    pa.field("sample_index", pa.int64()),
+    pa.field("completion", pa.string()),
+    pa.field("finish_reason", pa.string()),          # "stop" | "length" | "error"
+    pa.field("error", pa.string()),                  # null unless finish_reason == "error"
+    pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_completion_tokens", pa.int64()),
+    pa.field("num_cycles", pa.int64()),
+    pa.field("num_forward_passes", pa.int64()),
+    pa.field("num_draft_tokens", pa.int64()),
+    pa.field("num_accepted_draft_tokens", pa.int64()),
+    pa.field("tokens_per_cycle", pa.float64()),
+    pa.field("accept_length_histogram", pa.list_(pa.int64())),
+    pa.field("decode_seconds", pa.float64()),
+    pa.field("seed", pa.int64()),
+    pa.field("model", pa.string()),
+)
+OUTPUT_NAMES: tuple[str, ...] = tuple(f.name for f in OUTPUT_FIELDS)
+KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
+
+# Per-row input columns that override the sampling defaults (consumed, never passed through).
+OVERRIDE_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
+
+# Columns Ray's read_parquet adds when ids are derived from file name and row index.
+RAY_PATH_COLUMN = "path"
+RAY_ROW_HASH_COLUMN = "row_hash"
+
+# Internal columns carried between stages; the "__" prefix keeps them apart from user columns.
+INTERNAL_PREFIX = "__"
+PROMPT_IDS = "__prompt_token_ids"      # preprocess -> generate
+TEMPERATURE = "__temperature"
+TOP_P = "__top_p"
+TOP_K = "__top_k"
+MAX_NEW_TOKENS = "__max_new_tokens"
+TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
+ACTOR = "__actor"                      # generate -> driver (per-actor throughput)
+GPU_IDS = "__gpu_ids"
+CALL_ID = "__call_id"
+CALL_SECONDS = "__call_seconds"
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+def output_schema(passthrough: pa.Schema | list[pa.Field]) -> pa.Schema:
+    """The fixed output columns followed by the input's pass-through columns."""
+    return pa.schema(list(OUTPUT_FIELDS) + list(passthrough))
+
+
+def to_output_table(batch: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Select and cast a batch to the output schema (drops internal columns)."""
+    cols = {f.name: batch[f.name] if f.name in batch.column_names else pa.nulls(batch.num_rows, f.type)
+            for f in schema}
+    return pa.table(cols).cast(schema)
+
+
+def key_strings(ids: pa.Array | pa.ChunkedArray, sample_index: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One string per (id, sample_index): the exactly-once key, comparable with ``pc.is_in``."""
+    return pc.binary_join_element_wise(pc.cast(ids, pa.string()), pc.cast(sample_index, pa.string()), "\x1f")

@@ -1,0 +1,48 @@
+"""Per-actor throughput of this run, gathered by the driver from the blocks it commits."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pyarrow as pa
+
+from pipeline import schema as S
+
+
+class ThroughputTracker:
+    """Rows, generated tokens and busy seconds per actor (seconds counted once per actor call)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.gpu_ids: dict[str, str] = {}
+        self._calls: set[str] = set()
+
+    def add(self, batch: pa.Table) -> None:
+        """Account one block of generated rows (before it is cast to the output schema)."""
+        cols = batch.select([S.ACTOR, S.GPU_IDS, S.CALL_ID, S.CALL_SECONDS, "num_completion_tokens"]).to_pydict()
+        for actor, gpus, call, secs, tokens in zip(*cols.values()):
+            self.rows[actor] += 1
+            self.tokens[actor] += tokens or 0
+            self.gpu_ids[actor] = gpus
+            if call not in self._calls:
+                self._calls.add(call)
+                self.seconds[actor] += secs
+
+    @property
+    def total_rows(self) -> int:
+        """Rows generated (including error rows) in this run."""
+        return sum(self.rows.values())
+
+    @property
+    def total_tokens(self) -> int:
+        """Completion tokens generated in this run."""
+        return sum(self.tokens.values())
+
+    def report(self) -> list[dict]:
+        """One entry per actor, sorted by actor id."""
+        return [{"actor": a, "gpu_ids": [int(g) if g.isdigit() else g for g in self.gpu_ids[a].split(",") if g],
+                 "rows": self.rows[a], "completion_tokens": self.tokens[a],
+                 "busy_seconds": round(self.seconds[a], 3),
+                 "tokens_per_second": round(self.tokens[a] / self.seconds[a], 2) if self.seconds[a] else None}
+                for a in sorted(self.rows)]

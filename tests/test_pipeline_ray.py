@@ -1,0 +1,337 @@
+"""End to end on a real local Ray head (started here, stopped by its own process id).
+
+The head has 4 logical CPUs and 2 logical GPUs (``ray start --num-gpus 2``) on this CPU machine, so
+two generation actors each get their own Ray GPU id while running the model on the CPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import closing
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer
+
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from pipeline.schema import output_schema
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+MSG_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _base_env() -> dict[str, str]:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def head():
+    """``ray start --head --block`` in its own session; stopped through its own process group id."""
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    gcs, dash, agent, agent_grpc, env_agent, metrics, node_mgr, obj_mgr, client = _free_ports(9)
+    worker_base = 20000 + (os.getpid() % 100) * 100  # below the ephemeral range, apart from Ray defaults
+    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+           "--num-cpus=4", "--num-gpus=2", "--object-store-memory=300000000", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
+           f"--metrics-export-port={metrics}", f"--node-manager-port={node_mgr}",
+           f"--object-manager-port={obj_mgr}", f"--ray-client-server-port={client}",
+           f"--min-worker-port={worker_base}", f"--max-worker-port={worker_base + 99}", f"--temp-dir={temp}",
+           "--disable-usage-stats"]
+    log = open(Path(temp) / "head.log", "wb")
+    proc = subprocess.Popen(cmd, env=_base_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/version", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("ray head did not start:\n" + (Path(temp) / "head.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": url}
+    finally:
+        for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):  # this head's process group only
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _shard(path: Path, **cols) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), path)
+
+
+def _write_e2e_inputs(d: Path) -> None:
+    """Three good shards (no id column: ids derived) and one shard mixing good and bad rows."""
+    for s in range(3):
+        rows = range(5)
+        msgs = [[{"role": "user", "content": f"Complete: def f{s}{i}(x):"}] if i % 2 else None for i in rows]
+        extra = {"seed": pa.array([None, 42, None, 7, None], pa.int64())} if s == 0 else \
+            {"max_new_tokens": pa.array([3, None, 5, None, None], pa.int64())} if s == 1 else {}
+        _shard(d / f"shard-{s}.parquet", prompt=[f"def g{s}_{i}(a, b):" for i in rows],
+               messages=pa.array(msgs, MSG_TYPE), source=[f"shard-{s}#{i}" for i in rows], **extra)
+    long_prompt = "x = 1\n" * 80
+    _shard(d / "mixed.parquet",
+           prompt=["def ok0():", None, None, "def bad_temp():", long_prompt, "def ok1():", "def bad_len():", "ok2"],
+           messages=pa.array([None, None, [{"role": "user", "content": None}], None, None, None, None, None],
+                             MSG_TYPE),
+           temperature=pa.array([None, None, None, -1.0, None, None, None, 0.0]),
+           max_new_tokens=pa.array([None, None, None, None, None, None, 0, None], pa.int64()),
+           source=[f"mixed#{i}" for i in range(8)])
+
+
+E2E_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 50, "max_new_tokens": 10, "n": 2, "seed": 123}
+
+
+def _submit(head, config: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    runtime_env = {"env_vars": {"RAY_AUTH_MODE": "disabled",
+                                # start both actors before dispatch, so the work visibly spreads over them
+                                "RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": "120"}}
+    cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--working-dir", str(REPO),
+           "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m", "jobs.generate", "--config",
+           str(config)]
+    return subprocess.run(cmd, env=_base_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def e2e(head, tiny_orthrus_dir, tmp_path_factory):
+    """One job submitted with ``ray job submit`` over 4 shards; returns its output and inputs."""
+    d = tmp_path_factory.mktemp("e2e")
+    _write_e2e_inputs(d / "in")
+    cfg = {"input": {"paths": [str(d / "in")]}, "output": {"path": str(d / "out")},
+           "model": {"path": str(tiny_orthrus_dir)}, "sampling": E2E_SAMPLING,
+           "engine": {"max_batch_size": 4, "batch_size": 4, "max_seq_len": 96}}
+    (d / "job.yaml").write_text(yaml.safe_dump(cfg))
+    t0 = time.time()
+    proc = _submit(head, d / "job.yaml")
+    print(f"ray job submit took {time.time() - t0:.1f}s")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Orthrus generation summary" in proc.stdout
+    out = pq.read_table(d / "out" / "data")
+    inputs = {f.name: pq.read_table(f) for f in sorted((d / "in").iterdir())}
+    return {"dir": d, "out": out, "rows": out.to_pylist(), "inputs": inputs, "log": proc.stdout,
+            "summary": json.loads((d / "out" / "summary.json").read_text())}
+
+
+def test_end_to_end_rows_columns_and_stats(e2e):
+    out, rows = e2e["out"], e2e["rows"]
+    n_in = sum(t.num_rows for t in e2e["inputs"].values())
+    assert out.num_rows == n_in * 2 == 46
+    assert len({(r["id"], r["sample_index"]) for r in rows}) == 46
+    assert out.schema == output_schema([pa.field("source", pa.string())])  # consumed columns are gone
+    for r in rows:  # derived ids are '<file name>:<row index>' and match the row they came from
+        name, idx = r["id"].split(":")
+        assert r["source"] == f"{name.removesuffix('.parquet')}#{idx}"
+    ok = [r for r in rows if r["finish_reason"] != "error"]
+    assert len(ok) == 30 + 6
+    for r in ok:
+        hist = r["accept_length_histogram"]
+        assert r["error"] is None and r["finish_reason"] in ("stop", "length")
+        assert len(hist) == 4 and sum(hist) == r["num_cycles"] > 0
+        assert r["num_draft_tokens"] == 3 * r["num_cycles"] >= r["num_accepted_draft_tokens"]
+        assert r["tokens_per_cycle"] == pytest.approx((r["num_accepted_draft_tokens"] + r["num_cycles"])
+                                                      / r["num_cycles"])
+        assert sum(L * c for L, c in enumerate(hist)) == r["num_accepted_draft_tokens"]
+        assert 1 <= r["num_completion_tokens"] <= 10 and r["decode_seconds"] > 0
+        assert r["seed"] is not None and r["model"] == e2e["summary"]["config"]["model"]["path"]
+    s = e2e["summary"]
+    assert s["rows"]["total"] == 46 and s["rows"]["error"] == 10 and s["run"]["complete"]
+    assert s["tokens"]["completion"] == sum(r["num_completion_tokens"] for r in ok)
+    assert s["speculation"]["cycles"] == sum(r["num_cycles"] for r in ok)
+    assert set(s["versions"]) >= {"ray", "torch", "transformers", "python"}
+    assert (e2e["dir"] / "out" / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tok/s" in e2e["log"]  # per-actor throughput log reached the driver
+
+
+def _expected_prompt(tok, prompt, messages) -> list[int]:
+    msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_completions_equal_direct_engine_output(e2e, tiny_orthrus_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_orthrus_dir)
+    by_source = {r["source"]: r for t in e2e["inputs"].values() for r in t.to_pylist()}
+    ok = [r for r in e2e["rows"] if r["finish_reason"] != "error"]
+    prompts, params = [], []
+    for r in ok:
+        src = by_source[r["source"]]
+        prompts.append(_expected_prompt(tok, src["prompt"], src["messages"]))
+        assert r["num_prompt_tokens"] == len(prompts[-1])
+        temp = src.get("temperature")
+        params.append(SamplingParams(temperature=E2E_SAMPLING["temperature"] if temp is None else temp,
+                                     top_p=0.95, top_k=50, max_new_tokens=src.get("max_new_tokens") or 10,
+                                     seed=r["seed"]))
+        if src.get("seed") is not None:  # a row's own seed column wins: seed + sample_index
+            assert r["seed"] == src["seed"] + r["sample_index"]
+    engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(str(tiny_orthrus_dir), dtype=torch.float32),
+                           max_batch_size=4, max_seq_len=96)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the actors (1 CPU each); 2 spinning threads crawl on a busy 2-core box
+    try:
+        results = engine.generate(prompts, params)
+    finally:
+        torch.set_num_threads(threads)
+    for r, res in zip(ok, results):
+        ids = res.token_ids[:-1] if res.finish_reason == "stop" and res.token_ids[-1] in engine.eos_token_ids \
+            else res.token_ids
+        assert r["completion"] == tok.decode(ids, skip_special_tokens=True)
+        assert (r["num_completion_tokens"], r["finish_reason"]) == (len(res.token_ids), res.finish_reason)
+        assert (r["num_cycles"], r["accept_length_histogram"]) == (res.stats.num_cycles,
+                                                                   res.stats.accept_length_histogram)
+        assert r["num_forward_passes"] == res.stats.num_forward_passes
+
+
+def test_two_logical_gpus_two_actors_distinct_ids(e2e):
+    actors = e2e["summary"]["run"]["actors"]
+    assert e2e["summary"]["run"]["placement"]["replicas"] == 2
+    assert len(actors) == 2 and all(a["rows"] > 0 for a in actors), actors
+    assert sorted(tuple(a["gpu_ids"]) for a in actors) == [(0,), (1,)]
+    assert sum(a["rows"] for a in actors) == 46
+
+
+def test_mixed_good_and_bad_rows_all_come_out(e2e):
+    mixed = {int(r["source"].split("#")[1]): r for r in e2e["rows"]
+             if r["source"].startswith("mixed") and r["sample_index"] == 0}
+    assert len(mixed) == 8 and sum(r["source"].startswith("mixed") for r in e2e["rows"]) == 16
+    for i in (0, 5, 7):
+        assert mixed[i]["finish_reason"] in ("stop", "length") and mixed[i]["completion"] is not None
+    expected = {1: "row has neither a prompt nor messages",
+                2: "messages[0] must have string 'role' and 'content'",
+                3: "SamplingParams.temperature must be a finite number >= 0",
+                4: "invalid request: prompt has ",
+                6: "SamplingParams.max_new_tokens must be an int in [1,"}
+    for i, msg in expected.items():
+        r = mixed[i]
+        assert r["finish_reason"] == "error" and msg in r["error"], r
+        assert r["completion"] is None and r["num_completion_tokens"] is None
+    assert "context limit max_seq_len=96" in mixed[4]["error"]
+    assert e2e["summary"]["error_examples"] and len(e2e["summary"]["error_examples"]) == 5
+
+
+# ---------------------------------------------------------------- resume after a killed run
+
+def _parts(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((out / "data").glob("*.parquet"))}
+
+
+def _keys(files) -> list[tuple[str, int]]:
+    return [(r["id"], r["sample_index"]) for f in files
+            for r in pq.read_table(f, columns=["id", "sample_index"]).to_pylist()]
+
+
+def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthrus_dir, tmp_path):
+    for s in range(2):
+        _shard(tmp_path / "in" / f"k{s}.parquet", id=[f"k{s}-{i}" for i in range(24)],
+               prompt=[f"def k{s}_{i}(a):" for i in range(24)])
+    out = tmp_path / "out"
+    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(out)},
+           "model": {"path": str(tiny_orthrus_dir)}, "prompt": {"chat_template": "off"},
+           "sampling": {"max_new_tokens": 48},
+           # many small AR batches: the job runs long enough to be killed between commits
+           "engine": {"batch_size": 2, "max_batch_size": 2, "speculative": False}, "resources": {"replicas": 1}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "job.yaml")]
+    with open(tmp_path / "killed.log", "wb") as log:  # first run: driver on the test head, killed mid-run
+        driver = subprocess.Popen(cmd, cwd=REPO, env={**_base_env(), "RAY_ADDRESS": head["gcs"]}, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while len(_parts(out)) < 2 and driver.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        driver.kill()  # SIGKILL by its own pid: no cleanup code runs
+        driver.wait()
+    before = _parts(out)
+    done = _keys(out / "data" / name for name in before)
+    assert 0 < len(done) < 48, f"the run was not killed mid-way ({len(done)} rows committed)"
+
+    # Second run: --resume on an embedded local Ray (no cluster address): one CPU actor.
+    proc = subprocess.run([*cmd, "--resume"], cwd=REPO, env=_base_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    after = _parts(out)
+    assert all(after[name] == digest for name, digest in before.items())  # finished parts untouched
+    new = _keys(out / "data" / name for name in after if name not in before)
+    assert not set(new) & set(done)                                        # finished rows not recomputed
+    assert sorted(done + new) == sorted((f"k{s}-{i}", 0) for s in range(2) for i in range(24))
+    summary = json.loads((out / "summary.json").read_text())["run"]
+    assert (summary["mode"], summary["rows_skipped_as_finished"], summary["rows_generated"]) == \
+        ("local", len(done), 48 - len(done))
+    assert summary["placement"] == {"replicas": 1, "gpus_per_replica": 0.0, "cpus_per_replica": 1.0}
+    assert summary["complete"] and not list((out / "_tmp").glob("*.inprogress"))
+
+
+# ---------------------------------------------------------------- an actor dying mid-batch
+
+class _DiesOnce:
+    """Mixin: the first call anywhere kills its actor process after decoding, before returning."""
+
+    marker: Path
+
+    def __call__(self, batch):
+        result = super().__call__(batch)
+        if not self.marker.exists():
+            self.marker.write_text(str(os.getpid()))
+            os._exit(1)
+        return result
+
+
+def test_actor_death_is_retried_without_duplicates(head, tiny_orthrus_dir, tmp_path, monkeypatch):
+    import ray
+    from ray import cloudpickle
+
+    from pipeline.config import load_config
+    from pipeline.job import preflight, run
+    from pipeline.stage import GenerationStage
+
+    _shard(tmp_path / "in" / "a.parquet", id=[f"a{i}" for i in range(8)], prompt=[f"def a{i}():" for i in range(8)])
+    cfg = load_config(None, data={"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "o")},
+                                  "model": {"path": str(tiny_orthrus_dir)}, "sampling": {"max_new_tokens": 6},
+                                  "engine": {"batch_size": 2}, "resources": {"replicas": 1}})
+    stage = type("DyingStage", (_DiesOnce, GenerationStage), {"marker": tmp_path / "died"})
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address=head["gcs"], logging_level="WARNING")
+    try:
+        summary = run(preflight(cfg), "cluster", stage_cls=stage)
+    finally:
+        ray.shutdown()
+    assert (tmp_path / "died").exists()  # an actor really died mid-run
+    keys = _keys((tmp_path / "o" / "data").glob("*.parquet"))
+    assert sorted(keys) == sorted((f"a{i}", 0) for i in range(8)) and summary["run"]["complete"]

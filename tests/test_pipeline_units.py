@@ -1,0 +1,246 @@
+"""Pipeline pieces without a Ray cluster: preflight, preprocessing, stop strings, output commits, stats."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from pipeline.config import BehaviourConfig, ConfigError, ResourcesConfig, load_config
+from pipeline.job import preflight
+from pipeline.output import OutputDir
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from pipeline.postprocess import finish_text
+from pipeline.preprocess import PreprocessPlan, derive_seed, preprocess_batch
+from pipeline.resources import resolve_placement
+from pipeline.stage import GenerationStage, StagePlan
+from pipeline.schema import OUTPUT_FIELDS, key_strings, output_schema, to_output_table
+from pipeline.summary import acceptance_by_position, row_statistics
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-orthrus-py"
+
+
+def _config(tmp_path: Path, model: Path, **sections):
+    data = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out")},
+            "model": {"path": str(model)}}
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    return load_config(None, data=data)
+
+
+def _shard(tmp_path: Path, name: str, **cols) -> Path:
+    (tmp_path / "in").mkdir(exist_ok=True)
+    path = tmp_path / "in" / name
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+@pytest.fixture
+def weightless_model(tmp_path) -> Path:
+    """Tokenizer + config.json but no weights: preflight must never need the weights."""
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in TOKENIZER_DIR.glob("tokenizer*"):
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    return d
+
+
+# ---------------------------------------------------------------- preflight (before any model loads)
+
+def test_preflight_accepts_good_inputs_without_loading_weights(tmp_path, weightless_model):
+    _shard(tmp_path, "a.parquet", id=["x", "y"], prompt=["p", "q"], source=["s", "t"], seed=[1, None])
+    plan = preflight(_config(tmp_path, weightless_model)).inputs
+    assert plan.num_rows == 2 and plan.id_column == "id" and plan.passthrough == ("source",)
+    assert plan.override_columns == ("seed",) and plan.messages_column is None
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda t: None, r"input.paths\[0\] .*no such file"),
+    (lambda t: (t / "in").mkdir() or (t / "in" / "bad.parquet").write_bytes(b"not parquet"),
+     r"bad.parquet is not a readable Parquet file"),
+    (lambda t: _shard(t, "a.parquet", id=["x"], text=["p"]), r"input.prompt_column.*input.messages_column"),
+    (lambda t: (_shard(t, "a.parquet", id=["x"], prompt=["p"]), _shard(t, "b.parquet", prompt=["q"])),
+     r"input.id_column.*missing from 1 input file\(s\), e.g. .*b.parquet"),
+    (lambda t: (_shard(t, "a.parquet", id=["x"], prompt=["p"]), _shard(t, "b.parquet", id=["x"], prompt=["q"])),
+     r"1 duplicate id\(s\), e.g. 'x'"),
+    (lambda t: _shard(t, "a.parquet", id=pa.array([None, "y"], pa.string()), prompt=["p", "q"]),
+     r"a.parquet: 1 row\(s\) have a null 'id'"),
+    (lambda t: _shard(t, "a.parquet", id=["x"], prompt=["p"], completion=["c"]), r"'completion' clashes"),
+    (lambda t: _shard(t, "a.parquet", id=["x"], prompt=[1]), r"'prompt' has type int64"),
+    (lambda t: _shard(t, "a.parquet", id=["x"], prompt=["p"], top_k=["a"]), r"'top_k' has type string"),
+])
+def test_preflight_rejects_bad_inputs_naming_file_or_field(tmp_path, weightless_model, setup, message):
+    setup(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        preflight(_config(tmp_path, weightless_model))
+
+
+def test_preflight_rejects_bad_model_paths(tmp_path, weightless_model):
+    _shard(tmp_path, "a.parquet", id=["x"], prompt=["p"])
+    with pytest.raises(ConfigError, match="model.path: '/nonexistent/model' is neither"):
+        preflight(_config(tmp_path, Path("/nonexistent/model")))
+    (weightless_model / "config.json").unlink()
+    with pytest.raises(ConfigError, match="model.path: .* has no config.json"):
+        preflight(_config(tmp_path, weightless_model))
+
+
+def test_preflight_output_dir_rules(tmp_path, weightless_model):
+    _shard(tmp_path, "a.parquet", id=["x"], prompt=["p"])
+    inside = _config(tmp_path, weightless_model, output={"path": str(tmp_path / "in" / "out")})
+    with pytest.raises(ConfigError, match="is inside the input"):
+        preflight(inside)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="--resume .*--overwrite"):
+        preflight(_config(tmp_path, weightless_model))
+    with pytest.raises(ConfigError, match="not an Orthrus output directory"):
+        preflight(_config(tmp_path, weightless_model, behaviour={"overwrite": True}))
+    assert (out / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ConfigError, match="chat_template is off, so rows need the prompt column"):
+        _shard(tmp_path, "a.parquet", id=["x"], messages=['[{"role": "user", "content": "hi"}]'])
+        preflight(_config(tmp_path, weightless_model, prompt={"chat_template": "off"},
+                          output={"path": str(tmp_path / "o2")}))
+
+
+# ---------------------------------------------------------------- preprocessing
+
+def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
+    msgs = [[{"role": "user", "content": "hello"}], None, None, [{"role": "user", "content": None}], None, None]
+    batch = pa.table({
+        "id": ["ok-msg", "ok-prompt", "neither", "bad-msg", "bad-temp", "bad-topk"],
+        "prompt": [None, "def f():", None, None, "x", "y"],
+        "messages": pa.array(msgs, pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        "temperature": [None, 0.5, None, None, -1.0, None],
+        "top_k": [None, None, None, None, None, 0.5],
+        "source": list("abcdef"),
+    })
+    (tmp_path / "in").mkdir()
+    pq.write_table(batch, tmp_path / "in" / "a.parquet")
+    cfg = _config(tmp_path, weightless_model, sampling={"n": 2, "seed": 7, "temperature": 0.9})
+    plan = PreprocessPlan(inputs=preflight(cfg).inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling,
+                          finished=key_strings(pa.array(["ok-prompt"]), pa.array([1])))
+    out = preprocess_batch(batch, plan).to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in out] == [
+        ("ok-msg", 0), ("ok-msg", 1), ("ok-prompt", 0), ("neither", 0), ("neither", 1), ("bad-msg", 0),
+        ("bad-msg", 1), ("bad-temp", 0), ("bad-temp", 1), ("bad-topk", 0), ("bad-topk", 1)]  # ok-prompt/1 done
+    errors = {r["id"]: r["error"] for r in out}
+    assert errors["ok-msg"] is None and errors["ok-prompt"] is None
+    assert errors["neither"] == "row has neither a prompt nor messages"
+    assert "messages[0] must have string 'role' and 'content'" in errors["bad-msg"]
+    assert "temperature must be a finite number >= 0" in errors["bad-temp"]
+    assert "'top_k' must be an integer" in errors["bad-topk"]
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    first = out[0]
+    text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    assert first["__prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert first["num_prompt_tokens"] == len(first["__prompt_token_ids"]) and first["source"] == "a"
+    assert first["__temperature"] == 0.9 and out[2]["__temperature"] == 0.5  # row override wins
+    assert first["seed"] == derive_seed(7, "ok-msg", 0) != out[1]["seed"]
+
+
+def test_preprocess_batch_from_a_file_lacking_optional_columns(tmp_path, weightless_model):
+    _shard(tmp_path, "a.parquet", id=["a"], prompt=["p"], seed=[5], source=["s"])
+    _shard(tmp_path, "b.parquet", id=["b"], messages=['[{"role": "user", "content": "hi"}]'])
+    cfg = _config(tmp_path, weightless_model)
+    inputs = preflight(cfg).inputs
+    plan = PreprocessPlan(inputs=inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling)
+    row = preprocess_batch(pq.read_table(inputs.files[1]), plan).to_pylist()[0]  # no prompt/seed/source
+    assert row["error"] is None and row["seed"] == derive_seed(0, "b", 0) and "source" not in row
+    assert preprocess_batch(pq.read_table(inputs.files[0]), plan).to_pylist()[0]["seed"] == 5
+
+
+def test_derived_seeds_are_deterministic_and_distinct():
+    seeds = {derive_seed(0, f"r{i}", s) for i in range(100) for s in range(3)}
+    assert len(seeds) == 300 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert derive_seed(1, "a", 0) == derive_seed(1, "a", 0) != derive_seed(2, "a", 0)
+
+
+# ---------------------------------------------------------------- generation stage (real engine, no Ray)
+
+def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_orthrus_dir)
+    engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(str(tiny_orthrus_dir)), max_batch_size=2)
+    first = engine.generate([tok("def f(x):")["input_ids"]], SamplingParams(max_new_tokens=1))[0].token_ids[0]
+    _shard(tmp_path, "a.parquet", id=["stop", "long"], prompt=["def f(x):", "x = 1\n" * 60])
+    cfg = _config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"},
+                  sampling={"max_new_tokens": 3, "stop_token_ids": [first]}, engine={"max_seq_len": 64})
+    inputs = preflight(cfg).inputs
+    batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+    stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
+    rows = {r["id"]: r for r in stage(batch).to_pylist()}
+    stop = rows["stop"]  # stopped on its first token: counted, but not part of the text
+    assert (stop["finish_reason"], stop["num_completion_tokens"], stop["completion"]) == ("stop", 1, "")
+    assert stop["accept_length_histogram"] and stop["model"] == str(tiny_orthrus_dir) and stop["error"] is None
+    long = rows["long"]
+    assert long["finish_reason"] == "error" and long["completion"] is None
+    assert "invalid request: prompt has" in long["error"] and "max_seq_len=64" in long["error"]
+
+
+# ---------------------------------------------------------------- detokenize + stop strings
+
+def test_finish_text_applies_stop_strings_and_counts_tokens():
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    ids = tok("    return x\n\ndef g():\n    pass", add_special_tokens=False)["input_ids"]
+    text, n, reason = finish_text(tok, ids, len(ids), "length", ("\ndef ",))
+    assert text == "    return x\n" and reason == "stop"
+    assert "\ndef " in tok.decode(ids[:n]) and "\ndef " not in tok.decode(ids[: n - 1])
+    assert finish_text(tok, ids, len(ids), "length", ()) == (tok.decode(ids), len(ids), "length")
+    assert finish_text(tok, ids, len(ids) + 1, "stop", ("nope",))[1:] == (len(ids) + 1, "stop")
+
+
+# ---------------------------------------------------------------- output dir: atomic commits, resume keys
+
+def test_output_commits_are_atomic_and_keyed(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    out.prepare(BehaviourConfig(), {"model": "m"})
+    schema = output_schema([pa.field("source", pa.string())])
+    rows = pa.table({"id": ["a", "b"], "sample_index": [0, 1], "finish_reason": ["length", "error"],
+                     "source": [None, None]})
+    part = out.commit(to_output_table(rows, schema))
+    assert part.parent == out.data and not list(out.tmp.iterdir())
+    (out.tmp / "part-x.parquet.inprogress").write_bytes(b"half a file")  # what a kill leaves behind
+    assert out.read().schema == schema and out.read().num_rows == 2
+    assert sorted(out.finished_keys().to_pylist()) == ["a\x1f0", "b\x1f1"]
+    out2 = OutputDir(str(tmp_path / "out"))
+    out2.prepare(BehaviourConfig(resume=True), {"model": "m"})
+    assert not list(out2.tmp.iterdir()) and out2.read().num_rows == 2
+    out2.prepare(BehaviourConfig(overwrite=True), {"model": "m"})
+    assert out2.read().num_rows == 0
+
+
+# ---------------------------------------------------------------- resources and statistics
+
+def test_placement_auto_and_cpu_headroom():
+    p = resolve_placement(ResourcesConfig(), {"CPU": 2})
+    assert (p.replicas, p.gpus_per_replica, p.use_gpu) == (1, 0.0, False)
+    g = resolve_placement(ResourcesConfig(), {"CPU": 16, "GPU": 4})
+    assert (g.replicas, g.gpus_per_replica, g.use_gpu) == (4, 1.0, True)
+    with pytest.raises(ConfigError, match="resources.replicas x resources.cpus_per_replica"):
+        resolve_placement(ResourcesConfig(replicas=2), {"CPU": 2})
+
+
+def test_acceptance_statistics():
+    rate, cond = acceptance_by_position([2, 1, 0, 1])  # 4 cycles: L = 0, 0, 1, 3
+    assert rate == [0.5, 0.25, 0.25] and cond == [0.5, 0.5, 1.0]
+    t = pa.table({"id": ["a", "b", "c"], "sample_index": [0, 0, 0], "finish_reason": ["length", "stop", "error"], "error": [None, None, "x"],
+                  "num_prompt_tokens": [3, 4, None], "num_completion_tokens": [8, 2, None],
+                  "num_cycles": [2, 2, None], "num_forward_passes": [5, 5, None], "num_draft_tokens": [6, 6, None],
+                  "num_accepted_draft_tokens": [6, 0, None], "tokens_per_cycle": [4.0, 1.0, None],
+                  "accept_length_histogram": [[0, 0, 0, 2], [2, 0, 0, 0], None]},
+                 schema=pa.schema([f for f in OUTPUT_FIELDS if f.name in {
+                     "id", "sample_index", "finish_reason", "error", "num_prompt_tokens", "num_completion_tokens", "num_cycles",
+                     "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle",
+                     "accept_length_histogram"}]))
+    s = row_statistics(t)
+    assert s["rows"] == {"total": 3, "ok": 2, "error": 1, "finish_reason": {"length": 1, "stop": 1, "error": 1},
+                         "duplicate_keys": 0}
+    assert row_statistics(pa.concat_tables([t, t.slice(0, 1)]))["rows"]["duplicate_keys"] == 1
+    tpc = s["speculation"]["tokens_per_cycle"]
+    assert tpc["mean_per_row"] == 2.5 and tpc["pooled"] == 10 / 4 and tpc["token_weighted"] == (32 + 2) / 10
+    assert s["speculation"]["accept_length_histogram"] == [2, 0, 0, 2]
+    assert s["error_examples"] == [{"id": "c", "error": "x"}]
