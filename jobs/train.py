@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusForCausalLM
-from orthrus.trainer import DiffusionTrainer, TrainConfig, acceptance
+from orthrus.trainer import DiffusionTrainer, TrainConfig, acceptance, self_generated_rows
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-shards", default="examples/shards", help="Parquet prompts (column 'prompt')")
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--self-distill", type=int, default=0,
+                    help="add this many of the model's own continuations of corpus prefixes (50/50 mix)")
     ap.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     for field, default in vars(TrainConfig()).items():
         ap.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
@@ -85,6 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = OrthrusForCausalLM.from_pretrained(str(resume_from), dtype=torch.float32)
     rows = pack(tok, load_texts(args.data, args.text_column), args.seq_len)
+    if args.self_distill:
+        # generated from the frozen AR view: the same rows whether or not the run resumed
+        own = self_generated_rows(model, rows, args.self_distill, 64, 192, args.seq_len, seed=cfg.seed)
+        rows = torch.cat([rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
+                               [: own.shape[0]]], own])
     prompts = eval_prompts(tok, args.eval_shards, args.eval_prompts)
     out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:

@@ -45,7 +45,7 @@ def test_train_job_trains_twins_saves_and_resumes(tmp_path):
     common = ["--model", str(base), "--out", str(out), "--data", str(data), "--seq-len", "64",
               "--anchors", "4", "--block-size", "4", "--batch-size", "2", "--save-every", "3",
               "--eval-every", "0", "--eval-prompts", "0", "--threads", "1"]
-    _run(*common, "--steps", "3")
+    _run(*common, "--steps", "3", "--self-distill", "4")   # + the model's own continuations
     first = OrthrusForCausalLM.from_pretrained(str(out))
     state = torch.load(out / "train_state.pt", weights_only=False)
     assert state["step"] == 3
