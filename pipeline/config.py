@@ -100,7 +100,9 @@ class EngineConfig(_Section):
     batch_size: int = Field(64, ge=1, description=(
         "Rows handed to one actor call; also the unit of durable progress (one output file each)."))
     block_size: int | None = Field(None, ge=2, description="Draft block size K; None = the model's.")
-    speculative: bool = Field(True, description="Self-speculative decoding; false = plain AR on the same engine.")
+    speculative: bool | Literal["auto"] = Field(True, description=(
+        "true: self-speculative decoding; false: plain AR on the same engine; 'auto': per iteration, "
+        "whichever is measured faster at the current batch occupancy (never slower than AR by design)."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Weights dtype; 'auto' = bfloat16 on GPU, float32 on CPU."))
     max_seq_len: int | None = Field(None, ge=2, description=(
