@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="bench.json")
+    ap.add_argument("--job", action=argparse.BooleanOptionalAction, default=True,
+                    help="also compare the Ray Data job with the bare engine on all prompts (CPU only)")
+    ap.add_argument("--job-config", default="examples/demo.yaml")
     return ap.parse_args(argv)
 
 
@@ -154,6 +157,32 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     return cells
 
 
+def job_vs_engine(args, model, prompts) -> dict:
+    """The Ray Data job (embedded Ray, demo config, raw prompts, no stop strings) vs the bare engine
+    on the same token ids, slots and sampling: the pipeline's overhead as a throughput ratio."""
+    import subprocess
+    import sys
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="orthrus-bench-job-")) / "out"
+    sets = ["prompt.chat_template=off", "sampling.stop=[]", f"sampling.max_new_tokens={args.max_new_tokens}",
+            f"output.path={out}", "behaviour.overwrite=true", "engine.speculative=true", f"model.path={args.model}"]
+    cmd = [sys.executable, "-m", "jobs.generate", "--config", args.job_config]
+    for kv in sets:
+        cmd += ["--set", kv]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["run"]
+    slots = int(summary["config"]["engine"]["max_batch_size"])
+    engine = OrthrusEngine(model, max_batch_size=slots)
+    t = time.perf_counter()
+    res = engine.generate(prompts, [SamplingParams(max_new_tokens=args.max_new_tokens, seed=i)
+                                    for i in range(len(prompts))])
+    bare = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
+    return {"job_tokens_per_s": run["tokens_per_second"], "job_wall_s": run["wall_seconds"],
+            "engine_tokens_per_s": bare, "job_over_engine": run["tokens_per_second"] / bare, "rows": len(prompts)}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -172,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     for b in sizes:
         report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
         print_row(b, report["results"][b])
+    if args.job and args.device == "cpu":
+        report["job_vs_engine"] = job_vs_engine(args, model, prompts)
+        print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20

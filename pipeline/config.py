@@ -61,6 +61,12 @@ class PromptConfig(_Section):
         "Passed to the chat template as enable_thinking (Qwen3 thinking mode); None leaves the "
         "template's default."))
 
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean; accept what the user meant.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class SamplingConfig(_Section):
     """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/seed override them."""

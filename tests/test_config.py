@@ -33,6 +33,7 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.sampling.temperature == 0.7 and cfg.sampling.stop == ["\n\n", "END"]
     assert cfg.engine.speculative is False and cfg.resources.replicas == 3
     assert load_config(f, ["engine.speculative=auto"]).engine.speculative == "auto"
+    assert load_config(f, ["prompt.chat_template=off"]).prompt.chat_template == "off"   # YAML bool
     assert cfg.sampling.n == 1 and cfg.prompt.chat_template == "auto"
 
 
