@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", default="examples/shards")
     ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,4,16,64 on CPU; 1,8,32,128 on GPU)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None, help="draft block size K (default: the model's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=0)
@@ -131,7 +132,8 @@ def median_cells(samples: dict[str, list[dict]]) -> dict[str, dict]:
 
 def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
-    engine = OrthrusEngine(model, max_batch_size=b, max_seq_len=min(1024, model.config.max_position_embeddings))
+    engine = OrthrusEngine(model, max_batch_size=b, block_size=args.block_size,
+                           max_seq_len=min(1024, model.config.max_position_embeddings))
     timer = ForwardTimer(model)
     batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
     samples: dict[str, list[dict]] = {m: [] for m in modes}
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         hf = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype).to(args.device).eval()
         hf.load_state_dict({k: v for k, v in model.state_dict().items() if "_diff." not in k}, strict=False)
     report = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-              "block_size": model.block_size, "reps": args.reps, "results": {}}
+              "block_size": args.block_size or model.block_size, "reps": args.reps, "results": {}}
     for b in sizes:
         report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
         print_row(b, report["results"][b])

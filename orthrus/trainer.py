@@ -44,16 +44,21 @@ class TrainConfig:
 
 
 def acceptance(model: OrthrusForCausalLM, prompts: list[list[int]], block_size: int, max_new_tokens: int = 64,
-               temperature: float = 0.0, batch: int = 16) -> dict[str, float]:
-    """Token-weighted tokens per cycle of the speculative engine on ``prompts``."""
+               temperature: float = 0.0, batch: int = 16) -> dict:
+    """Token-weighted tokens per cycle of the speculative engine on ``prompts``, with the summed
+    accept-length histogram and per-position acceptance (P(draft i accepted | drafts < i accepted))."""
     engine = OrthrusEngine(model, max_batch_size=min(batch, len(prompts)), block_size=block_size)
     params = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i)
               for i in range(len(prompts))]
     res = engine.generate(prompts, params)
     cycles = sum(r.stats.num_cycles for r in res)
     accepted = sum(r.stats.num_accepted_draft_tokens for r in res)
+    hist = [sum(col) for col in zip(*(r.stats.accept_length_histogram for r in res))]
+    reached = [sum(hist[i:]) for i in range(len(hist))]          # cycles whose draft i-1 was accepted
+    per_pos = [reached[i + 1] / reached[i] if reached[i] else 0.0 for i in range(len(hist) - 1)]
     return {"tokens_per_cycle": (accepted + cycles) / max(cycles, 1), "cycles": cycles,
-            "tokens": sum(len(r.token_ids) for r in res), "block_size": block_size, "temperature": temperature}
+            "tokens": sum(len(r.token_ids) for r in res), "block_size": block_size, "temperature": temperature,
+            "accept_length_histogram": hist, "per_position_acceptance": [round(x, 4) for x in per_pos]}
 
 
 def self_generated_rows(model: OrthrusForCausalLM, rows: torch.Tensor, count: int, prompt_len: int,
