@@ -23,18 +23,24 @@ from orthrus.policy import AR, SPEC, SpeculationPolicy
 from orthrus.proposer import DiffusionProposer, Proposer
 
 
+DEFAULT_MAX_SEQ_LEN = 8192
+
+
 class OrthrusEngine:
     """A fixed number of slots over one model and one ragged KV cache allocated up front.
 
     ``max_seq_len`` is the context limit (prompt + generated tokens); the cache holds one extra
-    block per slot as scratch for the draft/verify writes.
+    block per slot as scratch for the draft/verify writes. It defaults to the model's
+    ``max_position_embeddings`` capped at ``DEFAULT_MAX_SEQ_LEN``: the cache is allocated up front
+    for every slot, and a 40k-token context × 32 slots of a 1.7B model would not fit one GPU.
     """
 
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
                  max_seq_len: int | None = None, proposer: Proposer | None = None) -> None:
         cfg = model.config
         self.block_size = int(block_size if block_size is not None else model.block_size)
-        self.max_seq_len = int(max_seq_len if max_seq_len is not None else cfg.max_position_embeddings)
+        self.max_seq_len = int(max_seq_len if max_seq_len is not None
+                               else min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if self.block_size < 2:

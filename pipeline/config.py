@@ -112,7 +112,8 @@ class EngineConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Weights dtype; 'auto' = bfloat16 on GPU, float32 on CPU."))
     max_seq_len: int | None = Field(None, ge=2, description=(
-        "Context limit (prompt + generated tokens); None = the model's max_position_embeddings."))
+        "Context limit (prompt + generated tokens); the KV cache is allocated for it in every slot. "
+        "None = the model's max_position_embeddings capped at 8192."))
 
 
 class ResourcesConfig(_Section):
@@ -170,7 +171,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ConfigError(f"override {item!r} must look like section.field=value")
-    return key.strip().split("."), yaml.safe_load(raw)
+    try:
+        return key.strip().split("."), yaml.safe_load(raw)  # safe_load: a value never constructs objects
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
