@@ -4,8 +4,10 @@
     ray job submit --working-dir . -- python -m jobs.generate --config FILE   # on a cluster
 
 Options: ``--set section.field=value`` (repeatable) overrides the YAML; ``--resume`` continues an
-existing output dir; ``--overwrite`` replaces it. Exit status 2 means the config or inputs were
-rejected before any model loaded.
+existing output dir; ``--overwrite`` replaces it. Exit status: 0 done; 1 finished but incomplete;
+2 the config, inputs or output dir were rejected before any model loaded; 3 writing the output
+failed mid-run (disk full, permissions) -- the parts already committed are complete, so fix the
+cause and rerun with ``--resume``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 from pipeline.cluster import connect
 from pipeline.config import ConfigError, load_config
 from pipeline.job import preflight, run
+from pipeline.output import OutputWriteError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OutputWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0 if summary["run"]["complete"] else 1
 
 

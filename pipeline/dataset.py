@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from pipeline.config import JobConfig
+from pipeline.faults import FaultInjector, from_environment
 from pipeline.inputs import InputPlan
 from pipeline.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.resources import Placement
@@ -19,6 +20,8 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
     import ray.data
 
     derive_ids = inputs.id_column is None
+    faults = from_environment()
+    FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
     ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
                                file_extensions=None)
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
@@ -30,7 +33,8 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
     return ds.map_batches(
         stage_cls,
         fn_constructor_kwargs={"plan": StagePlan(model=config.model, engine=config.engine,
-                                                 sampling=config.sampling, use_gpu=placement.use_gpu)},
+                                                 sampling=config.sampling, use_gpu=placement.use_gpu,
+                                                 fault_inject=faults)},
         batch_size=config.engine.batch_size,
         batch_format="pyarrow",
         # One batch running and one queued per actor: enough to hide hand-over, little to redo.

@@ -1,7 +1,9 @@
 """Input preflight: resolve Parquet paths and check files, columns and ids before any model loads.
 
-Everything here reads Parquet footers (and the id column) on the driver, so a missing column, an
-unreadable file or a duplicate id fails the job at once, naming the file and the field.
+Everything here runs on the driver before any model loads, so a missing column, a column of the
+wrong type, a corrupt file or a duplicate id fails the job at once, naming the file and the field.
+Every file is read in full once (row group by row group, so memory stays bounded): a corrupt data
+page must stop the job here, not kill a read task hours into the run.
 """
 from __future__ import annotations
 
@@ -95,54 +97,90 @@ def _read_schema(path: str) -> tuple[pa.Schema, int]:
         raise ConfigError(f"input file {path} is not a readable Parquet file: {e}") from None
 
 
-def _check_type(name: str, typ: pa.DataType, ok: bool, expected: str, files: list[str]) -> None:
-    if not ok:
-        raise ConfigError(f"input column {name!r} has type {typ}, expected {expected} "
-                          f"(first file: {files[0]})")
+def _check_type(name: str, ok, expected: str, schemas: list[pa.Schema], files: list[str]) -> None:
+    """Raise naming the first file whose ``name`` column fails ``ok`` (files may disagree)."""
+    for schema, path in zip(schemas, files):
+        if name in schema.names and not ok(schema.field(name).type):
+            raise ConfigError(f"input column {name!r} has type {schema.field(name).type}, expected {expected} "
+                              f"(in {path})")
 
 
-def _check_types(schema: pa.Schema, id_col: str | None, prompt: str | None, messages: str | None,
+def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | None, messages: str | None,
                  overrides: tuple[str, ...], files: list[str]) -> None:
     """Reject column types the preprocessing cannot read (the row-level checks come later)."""
     is_text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)  # noqa: E731
     if id_col:
-        t = schema.field(id_col).type
-        _check_type(id_col, t, is_text(t) or pa.types.is_integer(t), "string or integer", files)
+        _check_type(id_col, lambda t: is_text(t) or pa.types.is_integer(t), "string or integer", schemas, files)
     if prompt:
-        t = schema.field(prompt).type
-        _check_type(prompt, t, is_text(t) or pa.types.is_null(t), "string", files)
+        _check_type(prompt, lambda t: is_text(t) or pa.types.is_null(t), "string", schemas, files)
     if messages:
-        t = schema.field(messages).type
-        ok = is_text(t) or pa.types.is_null(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
-        _check_type(messages, t, ok, "list of {role, content} or JSON string", files)
+        ok = lambda t: (is_text(t) or pa.types.is_null(t) or pa.types.is_list(t)  # noqa: E731
+                        or pa.types.is_large_list(t))
+        _check_type(messages, ok, "list of {role, content} or JSON string", schemas, files)
     for name in overrides:
-        t = schema.field(name).type
-        ok = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)
-        _check_type(name, t, ok, "a number", files)
+        ok = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)  # noqa: E731
+        _check_type(name, ok, "a number", schemas, files)
 
 
-def _check_ids(files: list[str], id_col: str) -> None:
+def _scan(path: str, id_col: str | None) -> pa.ChunkedArray | None:
+    """Read every row group of ``path`` (corruption shows up here); return its id column."""
+    ids, where = [], "footer"
+    try:
+        f = pq.ParquetFile(path)
+        for g in range(f.num_row_groups):
+            where = f"row group {g} of {f.num_row_groups}"
+            group = f.read_row_group(g)
+            if id_col is not None:
+                ids.append(group[id_col])
+    except (OSError, pa.ArrowException) as e:
+        raise ConfigError(f"input file {path} is corrupt ({where}): {type(e).__name__}: {e}") from None
+    if id_col is None:
+        return None
+    col = pa.chunked_array([c for chunk in ids for c in chunk.chunks], type=f.schema_arrow.field(id_col).type)
+    try:
+        col.validate(full=True)  # string ids: Parquet readers do not check UTF-8
+    except pa.ArrowInvalid as e:
+        raise ConfigError(f"input file {path}: id column {id_col!r} (input.id_column) holds invalid text: "
+                          f"{e}") from None
+    return col
+
+
+def _check_ids(files: list[str], cols: list[pa.ChunkedArray], id_col: str) -> None:
     """Ids are the exactly-once key: every row needs one, and no two rows may share one."""
     chunks = []
-    for path in files:
-        col = pq.read_table(path, columns=[id_col])[id_col]
+    for path, col in zip(files, cols):
         if col.null_count:
+            first = pc.index(pc.is_null(col), True).as_py()
             raise ConfigError(f"input file {path}: {col.null_count} row(s) have a null {id_col!r} "
-                              f"(input.id_column); every row needs an id")
+                              f"(input.id_column), first at row {first}; every row needs an id")
         chunks.append(pc.cast(col, pa.string()))
     counts = pc.value_counts(pa.chunked_array(chunks, type=pa.string()))
     dups = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
     if len(dups):
-        first = next(f for f, c in zip(files, chunks) if pc.any(pc.equal(c, dups[0])).as_py())
+        where = [f for f, c in zip(files, chunks) if pc.any(pc.equal(c, dups[0])).as_py()]
         raise ConfigError(f"input column {id_col!r} (input.id_column) has {len(dups)} duplicate id(s), "
-                          f"e.g. {dups[0].as_py()!r} (in {first}); ids must be unique")
+                          f"e.g. {dups[0].as_py()!r} (in {' and '.join(where[:2])}); ids must be unique "
+                          "(they key exactly-once output and resume)")
 
 
 def _unify(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
+    """One schema for all files (int32 + int64 -> int64, ...); name the field and files if impossible."""
     try:
         return pa.unify_schemas(schemas, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise ConfigError(f"input files have incompatible schemas ({files[0]} ... {files[-1]}): {e}") from None
+        merged, first = {}, {}
+        for schema, path in zip(schemas, files):
+            for field in schema:
+                try:
+                    merged[field.name] = pa.unify_schemas(
+                        [pa.schema([merged.get(field.name, field)]), pa.schema([field])],
+                        promote_options="permissive").field(0)
+                    first.setdefault(field.name, path)
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    raise ConfigError(f"input column {field.name!r} has type {merged[field.name].type} in "
+                                      f"{first[field.name]} but {field.type} in {path}; give it one type "
+                                      "in every file") from None
+        raise ConfigError(f"input files have incompatible schemas: {e}") from None
 
 
 def _id_column(cfg: InputConfig, schemas: list[pa.Schema], files: list[str]) -> str | None:
@@ -182,9 +220,10 @@ def inspect_inputs(cfg: InputConfig) -> InputPlan:
     if clash:
         raise ConfigError(f"input column {clash[0]!r} clashes with a column the job writes or uses; "
                           f"rename it (or set input.id_column if it is the id)")
-    _check_types(schema, id_col, prompt, messages, overrides, files)
+    _check_types(list(schemas), id_col, prompt, messages, overrides, files)
+    ids = [_scan(f, id_col) for f in files]
     if id_col is not None:
-        _check_ids(files, id_col)
+        _check_ids(files, ids, id_col)
     return InputPlan(files=tuple(files), file_rows=tuple(counts), roots=tuple(roots), schema=schema, num_rows=sum(counts),
                      id_column=id_col, prompt_column=prompt, messages_column=messages,
                      override_columns=overrides, passthrough=passthrough)

@@ -39,6 +39,7 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        # Explicit: tokenizer_config.json's auto_map must never make a checkpoint a source of code.
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a missing/broken tokenizer
         raise ConfigError(f"model.path: cannot load a tokenizer from {model_dir} ({type(e).__name__}: {e})") from None

@@ -12,12 +12,19 @@ fsynced, then renamed into ``data/`` (``os.replace`` is atomic), so a part file 
 or absent. On resume the (id, sample_index) keys of every committed part are the finished set and
 the preprocessing drops them before tokenization. A run killed at any point leaves only complete
 parts; the rows it had in flight are simply not in the finished set and are generated again.
+
+Write failures (disk full, permissions, a read-only mount): preflight proves the directory is
+writable before any model loads; a write that fails later removes its temp file and raises
+:class:`OutputWriteError`, so the directory still holds only complete parts and ``--resume``
+continues once the cause is fixed. Every path written is ``<output>/<fixed name>`` or a part name
+made of the run id and a counter; nothing taken from the data ever becomes a path.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +39,10 @@ from pipeline.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
 DATA_DIR, TMP_DIR, MARKER = "data", "_tmp", "_job.json"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
 _OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG}
+
+
+class OutputWriteError(RuntimeError):
+    """Writing into the output directory failed; what was committed before is complete."""
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -54,10 +65,23 @@ class OutputDir:
         self.data, self.tmp, self.marker = self.root / DATA_DIR, self.root / TMP_DIR, self.root / MARKER
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self._seq = 0
+        self.committed = 0  # part files this run committed
+
+    def _failed(self, what: str, error: Exception, tmp: Path | None) -> OutputWriteError:
+        """Remove the half-written temp file and describe the failure."""
+        if tmp is not None:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the directory itself may have become unwritable; _tmp is wiped at start anyway
+        reason = getattr(error, "strerror", None) or str(error)
+        return OutputWriteError(f"cannot write {what} in output.path {self.root}: {reason} ({type(error).__name__}). "
+                                f"The {self.committed} part file(s) this run committed are complete and nothing "
+                                "partial was left; fix the cause (space, permissions) and rerun with --resume")
 
     def check(self, behaviour: BehaviourConfig, input_roots: tuple[str, ...], input_files: tuple[str, ...],
               model: str) -> None:
-        """Refuse unsafe layouts before anything is written (no side effects)."""
+        """Refuse unsafe or unwritable layouts before anything is written (leaves no trace)."""
         for root in map(Path, input_roots):
             if _inside(self.root, root):
                 raise ConfigError(f"output.path {self.root} is inside the input {root}; a rerun would read "
@@ -67,8 +91,15 @@ class OutputDir:
             raise ConfigError(f"input file {inside[0]} is inside output.path {self.root}")
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"output.path {self.root} exists and is not a directory")
-        if not self.has_content():
-            return
+        links = [n for n in sorted(_OURS) if (self.root / n).is_symlink()]
+        if links:  # a planted link would send writes (or an overwrite's deletes) outside the directory
+            raise ConfigError(f"output.path {self.root}: {links[0]} is a symbolic link; refusing to write through it")
+        if self.has_content():
+            self._check_existing(behaviour, model)
+        self._probe()
+
+    def _check_existing(self, behaviour: BehaviourConfig, model: str) -> None:
+        """A non-empty directory: allowed only as our own output, with resume or overwrite."""
         if not (behaviour.resume or behaviour.overwrite):
             raise ConfigError(f"output.path {self.root} already holds output; pass --resume to continue it "
                               "(behaviour.resume) or --overwrite to replace it (behaviour.overwrite)")
@@ -82,6 +113,38 @@ class OutputDir:
             raise ConfigError(f"output.path {self.root} was generated with model {previous!r}; resuming with "
                               f"model.path {model!r} would mix models in one output")
 
+    def _probe(self) -> None:
+        """Create the directory and write, fsync and delete a file in it; undo what it created.
+
+        Permission bits alone say nothing for root or on read-only mounts: only a real write tells,
+        and it must tell now, before the model loads, not at the first commit hours later.
+        """
+        missing, p = [], self.root
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        created: list[Path] = []
+        try:
+            for d in reversed(missing):
+                d.mkdir()
+                created.append(d)
+            fd, probe = tempfile.mkstemp(prefix=".orthrus-probe-", dir=self.root)
+            try:
+                os.write(fd, b"\0" * 4096)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"output.path {self.root} is not writable: {e.strerror or e}"
+                              f"{f' ({e.filename})' if e.filename else ''}") from None
+        finally:
+            for d in reversed(created):  # preflight leaves no trace
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+
     def has_content(self) -> bool:
         """Whether the directory exists and is non-empty."""
         return self.root.is_dir() and any(self.root.iterdir())
@@ -93,16 +156,22 @@ class OutputDir:
                 p = self.root / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)  # leftovers of a killed run: never committed
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(exist_ok=True)
+        try:
+            self.data.mkdir(parents=True, exist_ok=True)
+            self.tmp.mkdir(exist_ok=True)
+        except OSError as e:
+            raise self._failed("its directories", e, None) from e
         self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
 
     def write_atomic(self, name: str, payload: bytes) -> Path:
         """Write a top-level file so readers see the old or the new version, never half of one."""
         dest = self.root / name
         tmp = self.tmp / f"{name}.{uuid.uuid4().hex}"
-        tmp.write_bytes(payload)
-        os.replace(tmp, dest)
+        try:
+            tmp.write_bytes(payload)
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise self._failed(name, e, tmp) from e
         return dest
 
     def part_files(self) -> list[Path]:
@@ -127,10 +196,17 @@ class OutputDir:
         name = f"part-{self.run_id}-{self._seq:06d}.parquet"
         self._seq += 1
         tmp = self.tmp / (name + ".inprogress")
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.data / name)
-        _fsync_dir(self.data)  # the rename itself survives a machine crash
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.data / name)
+        except (OSError, pa.ArrowException) as e:
+            raise self._failed(f"part file {name}", e, tmp) from e
+        self.committed += 1
+        try:
+            _fsync_dir(self.data)  # the rename itself survives a machine crash
+        except OSError as e:  # the part is complete and in place; only its durability is in doubt
+            raise self._failed(f"(fsync) part file {name}", e, None) from e
         return self.data / name

@@ -1,7 +1,10 @@
 """CPU stage: validate, expand to n samples, skip finished keys, format and tokenize.
 
 Runs as a Ray Data task over Arrow batches. A row that cannot be used becomes an error row (the
-``error`` column is set and it skips generation); nothing a single row holds can fail the batch.
+``error`` column is set and it skips generation); nothing a single row holds can fail the batch:
+undecodable bytes, text the tokenizer rejects and bad sampling values all end as that row's error.
+Pass-through columns are cast to the inputs' unified types, so blocks from files whose schemas
+differ concatenate.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pipeline import schema as S
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig
 from pipeline.inputs import InputPlan
 from pipeline.model_files import load_tokenizer, resolve_model_dir
-from pipeline.prompts import RowError, format_prompt
+from pipeline.prompts import InvalidText, RowError, format_prompt
 from pipeline.row_ids import derive_ids
 
 
@@ -56,8 +59,13 @@ def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: Sampl
         return getattr(cfg, name) if value is None else value
 
     row_seed = row.get("seed")
-    seed = derive_seed(cfg.seed, row_id, sample_index) if row_seed is None \
-        else _as_int("seed", row_seed) + sample_index
+    if row_seed is None:
+        seed = derive_seed(cfg.seed, row_id, sample_index)
+    else:  # checked before adding the index, so all of a row's samples fail or none does
+        seed = _as_int("seed", row_seed)
+        if not 0 <= seed < 2 ** 63:
+            raise RowError(f"column 'seed' must be an int in [0, 2**63), got {seed}")
+        seed = (seed + sample_index) % 2 ** 63
     try:
         return SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
                               top_k=_as_int("top_k", pick("top_k")),
@@ -85,8 +93,39 @@ def _expand(ids: list[str], n: int, finished: pa.Array | None) -> tuple[np.ndarr
 
 
 def _values(batch: pa.Table, name: str | None) -> list:
-    """A column as Python values; all None when this batch's file lacks it (schemas may differ)."""
-    return batch[name].to_pylist() if name in batch.column_names else [None] * batch.num_rows
+    """A column as Python values; all None when this batch's file lacks it (schemas may differ).
+
+    Parquet readers do not validate UTF-8, so one corrupt cell would make ``to_pylist`` fail the
+    whole batch; such cells become :class:`InvalidText` (their row's error) instead.
+    """
+    if name not in batch.column_names:
+        return [None] * batch.num_rows
+    col = batch[name]
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        out = []
+        for i in range(len(col)):
+            try:
+                out.append(col[i].as_py())
+            except UnicodeDecodeError as e:
+                out.append(InvalidText(name, f"byte {e.start}: {e.reason}"))
+        return out
+
+
+def _encode(tokenizer, texts: list[str], add_special: bool) -> list[list[int] | str]:
+    """Token ids per text; if the batch call fails, per text, so only the offending row errs."""
+    try:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special)["input_ids"]]
+    except Exception:  # noqa: BLE001 - narrowed to rows below
+        pass
+    out: list[list[int] | str] = []
+    for text in texts:
+        try:
+            out.append(list(tokenizer(text, add_special_tokens=add_special)["input_ids"]))
+        except Exception as e:  # noqa: BLE001 - this row's text is the problem
+            out.append(f"tokenization failed: {type(e).__name__}: {e}"[:500])
+    return out
 
 
 def _tokenize(batch: pa.Table, needed: np.ndarray, plan: PreprocessPlan) -> dict[int, list[int] | str]:
@@ -103,9 +142,8 @@ def _tokenize(batch: pa.Table, needed: np.ndarray, plan: PreprocessPlan) -> dict
         except RowError as e:
             out[i] = str(e)
     if texts:
-        encoded = tokenizer(list(texts.values()), add_special_tokens=add_special)["input_ids"]
-        for i, ids in zip(texts, encoded):
-            out[i] = list(ids) if ids else "prompt is empty after tokenization"
+        for i, ids in zip(texts, _encode(tokenizer, list(texts.values()), add_special)):
+            out[i] = ids if ids else "prompt is empty after tokenization"
     return out
 
 
@@ -136,8 +174,29 @@ def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
         cols[S.TOP_P].append(params.top_p if ok else None)
         cols[S.TOP_K].append(params.top_k if ok else None)
         cols[S.MAX_NEW_TOKENS].append(params.max_new_tokens if ok else None)
-    present = [c for c in plan.inputs.passthrough if c in batch.column_names]  # a file may lack one
-    return _assemble(cols, batch.select(present).take(rows))
+    return _assemble(cols, _passthrough(batch, plan.inputs, rows))
+
+
+def _passthrough(batch: pa.Table, inputs: InputPlan, rows: np.ndarray) -> pa.Table:
+    """Pass-through columns of the kept rows, cast to the unified input types.
+
+    A column this batch's file lacks stays absent (the driver fills it with nulls when it casts to
+    the output schema); a column whose type differs between files (int32 here, int64 there) is
+    cast here, so blocks from different files concatenate.
+    """
+    take = pa.array(rows, pa.int64())
+    fields = [f for f in inputs.passthrough_fields if f.name in batch.column_names]
+    return pa.table({f.name: _cast(batch[f.name].take(take), f.type) for f in fields}, schema=pa.schema(fields))
+
+
+def _cast(col: pa.ChunkedArray, typ: pa.DataType) -> pa.ChunkedArray:
+    """Cast to the unified type; where a value does not fit exactly (int64 beyond 2**53 in a column
+    that another file holds as double) convert it as Arrow's unsafe cast does, like pandas would,
+    rather than fail the batch."""
+    try:
+        return col.cast(typ)
+    except pa.ArrowInvalid:
+        return col.cast(typ, safe=False)
 
 
 _TYPES = {"id": pa.string(), "sample_index": pa.int64(), "seed": pa.int64(), "num_prompt_tokens": pa.int64(),
@@ -147,6 +206,6 @@ _TYPES = {"id": pa.string(), "sample_index": pa.int64(), "seed": pa.int64(), "nu
 
 def _assemble(cols: dict[str, list], passthrough: pa.Table) -> pa.Table:
     table = pa.table({name: pa.array(values, _TYPES[name]) for name, values in cols.items()})
-    for name in passthrough.column_names:
-        table = table.append_column(passthrough.schema.field(name), passthrough[name])
+    for field in passthrough.schema:
+        table = table.append_column(field, passthrough[field.name])
     return table

@@ -11,6 +11,25 @@ class RowError(ValueError):
     """A problem with one row: it becomes an error row, the job goes on."""
 
 
+class InvalidText:
+    """Stands in for a cell whose bytes are not valid UTF-8 (Arrow does not check on read)."""
+
+    def __init__(self, column: str, error: str) -> None:
+        self.column, self.error = column, error
+
+    def raise_row_error(self) -> None:
+        """Turn the bad cell into its row's error."""
+        raise RowError(f"column {self.column!r} is not valid UTF-8 ({self.error})")
+
+
+def _check_text(text: str, what: str) -> None:
+    """Reject text the tokenizer cannot take: lone surrogates (e.g. from a JSON '\\ud800' escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(f"{what} is not valid Unicode: {e.reason} at position {e.start}") from None
+
+
 def uses_chat_template(cfg: PromptConfig, tokenizer) -> bool:
     """Whether prompts go through the tokenizer's chat template ('auto' = if it has one)."""
     if cfg.chat_template == "auto":
@@ -32,18 +51,25 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowError(f"messages[{i}] must have string 'role' and 'content', got {m!r}"[:300])
         out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["content"].strip() for m in out):
+        raise RowError("messages have no content (every message is empty or whitespace-only)")
     return out
 
 
 def format_prompt(prompt: Any, messages: Any, cfg: PromptConfig, tokenizer) -> tuple[str, bool]:
     """Prompt text and whether the tokenizer should add its special tokens (raw text only)."""
+    for value in (prompt, messages):
+        if isinstance(value, InvalidText):
+            value.raise_row_error()
     if prompt is not None and not isinstance(prompt, str):
         raise RowError(f"prompt must be a string, got {type(prompt).__name__}")
+    if prompt is not None and not prompt.strip() and messages is None:
+        # Whitespace is valid text but no prompt: the model would continue from nothing.
+        raise RowError("prompt is empty" if not prompt else "prompt is whitespace-only")
     if not uses_chat_template(cfg, tokenizer):
         if prompt is None:
             raise RowError("row has no prompt (messages need prompt.chat_template 'on' or 'auto')")
-        if not prompt:
-            raise RowError("prompt is empty")
+        _check_text(prompt, "prompt")
         return prompt, True
     if messages is not None:
         msgs = _messages(messages)
@@ -56,4 +82,5 @@ def format_prompt(prompt: Any, messages: Any, cfg: PromptConfig, tokenizer) -> t
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # jinja errors (e.g. a template rejecting a role) are row problems
         raise RowError(f"chat template failed: {type(e).__name__}: {e}") from None
+    _check_text(text, "prompt (after the chat template)")
     return text, False

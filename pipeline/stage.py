@@ -2,12 +2,15 @@
 
 The actor loads the model once, then decodes each batch it is handed with the engine's continuous
 batching and detokenizes the result (``postprocess.py``). Per-row failures (the engine's request
-checks, or an exception while decoding one row) become error rows. Resource exhaustion is not a
-row's fault: it propagates and stops the job (rerun with --resume after lowering
-engine.max_batch_size). An actor *process* that dies is restarted by Ray and its batch retried.
+checks) become error rows. An exception from the engine on a batch -- out of memory included --
+splits the batch in halves and retries each half, recursively, so one poison row or one batch too
+big for the device costs a few retries, not the job; a row that still fails alone becomes an error
+row with the message. An actor *process* that dies is restarted by Ray and its batch retried.
+``faults.py`` can simulate the out-of-memory case for tests (off by default).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -19,10 +22,10 @@ import torch
 from orthrus import GenerationResult, OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from pipeline import schema as S
 from pipeline.config import EngineConfig, ModelConfig, SamplingConfig
+from pipeline.faults import FAULT_ENV, FaultInjector
 from pipeline.model_files import load_tokenizer, resolve_model_dir
 from pipeline.postprocess import detokenize_batch
 
-_FATAL = (MemoryError, torch.OutOfMemoryError)  # not a row's fault: never turned into error rows
 _DROP = [S.PROMPT_IDS, S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS, "error", "seed"]
 
 
@@ -34,6 +37,7 @@ class StagePlan:
     engine: EngineConfig
     sampling: SamplingConfig
     use_gpu: bool
+    fault_inject: str | None = None   # test-only, see faults.py; None in production
 
 
 def _torch_dtype(name: str, device: str) -> torch.dtype:
@@ -67,6 +71,10 @@ class GenerationStage:
         self.tokenizer = load_tokenizer(model_dir)
         self.actor, self.gpu_ids = _actor_identity()
         self.total_tokens, self.total_seconds = 0, 0.0
+        self.faults = FaultInjector.parse(plan.fault_inject)
+        if self.faults:
+            print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={plan.fault_inject!r}); test-only",
+                  flush=True)
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}] device={self.device} "
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
@@ -80,20 +88,32 @@ class GenerationStage:
                                max_new_tokens=cols[S.MAX_NEW_TOKENS][i], seed=cols["seed"][i], stop_token_ids=stop)
                 for i in range(batch.num_rows)]
 
-    def _generate(self, prompts: list[list[int]], params: list[SamplingParams]
+    def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
                   ) -> tuple[list[GenerationResult | Exception], list[float]]:
-        """Decode all rows together; if that fails, decode one by one to isolate the bad rows."""
+        """Decode rows together; if the engine raises, split in halves and retry each half.
+
+        Any exception counts, out of memory included: a batch too big for the device shrinks until
+        it fits, and a row that breaks the engine is narrowed down in ~log2(len) rounds and
+        returned as its exception (the caller turns it into an error row). Each row's sample
+        depends only on its own seed, so a retried row decodes exactly as it would have in the batch.
+        """
         start = time.perf_counter()
         try:
+            if self.faults:
+                self.faults.before_generate(ids)
             results = self.engine.generate(prompts, params, speculative=self.plan.engine.speculative)
             return list(results), [time.perf_counter() - start] * len(prompts)
-        except _FATAL:
-            raise
-        except Exception as e:  # noqa: BLE001 - any engine error is narrowed to rows below
+        except Exception as e:  # noqa: BLE001 - narrowed to rows below; torch.OutOfMemoryError is one
+            if self.device == "cuda":
+                torch.cuda.empty_cache()  # give the retry the memory the failed attempt held
             if len(prompts) == 1:
                 return [e], [time.perf_counter() - start]
-        pairs = [self._generate([p], [sp]) for p, sp in zip(prompts, params)]
-        return [r[0][0] for r in pairs], [r[1][0] for r in pairs]
+            print(f"[orthrus] actor {self.actor}: {type(e).__name__} on {len(prompts)} rows; retrying as "
+                  f"{len(prompts) // 2} + {len(prompts) - len(prompts) // 2}", flush=True)
+        half = len(prompts) // 2
+        left = self._generate(ids[:half], prompts[:half], params[:half])
+        right = self._generate(ids[half:], prompts[half:], params[half:])
+        return left[0] + right[0], left[1] + right[1]
 
     def _check(self, prompts: list[list[int]], params: list[SamplingParams | None],
                errors: list[str | None]) -> list[int]:
@@ -104,9 +124,15 @@ class GenerationStage:
                 continue
             try:
                 self.engine.check_request(prompt, p)
-                todo.append(i)
             except ValueError as e:
                 errors[i] = f"invalid request: {e}"
+                continue
+            # No row can outgrow the context, so a huge max_new_tokens only sizes host buffers for
+            # nothing; clamping changes no token (the context limit ends the row at the same point).
+            room = self.engine.max_seq_len - len(prompt)
+            if p.max_new_tokens > room:
+                params[i] = dataclasses.replace(p, max_new_tokens=room)
+            todo.append(i)
         return todo
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -118,7 +144,8 @@ class GenerationStage:
         results: list[GenerationResult | Exception | None] = [None] * batch.num_rows
         seconds: list[float | None] = [None] * batch.num_rows
         if todo:
-            out, secs = self._generate([prompts[i] for i in todo], [params[i] for i in todo])
+            ids = batch["id"].to_pylist()
+            out, secs = self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo])
             for i, r, s in zip(todo, out, secs):
                 results[i], seconds[i] = r, s
                 if isinstance(r, Exception):

@@ -1,0 +1,61 @@
+"""Test-only fault injection for the generation stage (off unless ``ORTHRUS_FAULT_INJECT`` is set).
+
+The fault tests need an engine that runs out of memory on demand, on a CPU machine, without mocking
+the engine. The stage consults a :class:`FaultInjector` right before each ``engine.generate`` call
+and raises a real ``torch.OutOfMemoryError`` when a directive matches, exactly as a CUDA OOM would
+surface from the engine. Directives (comma-separated)::
+
+    oom_if_batch_gt:N   every generate call with more than N rows runs out of memory
+    oom_on_id:ID        every generate call that holds the row with id ID runs out of memory
+
+e.g. ``ORTHRUS_FAULT_INJECT=oom_if_batch_gt:2,oom_on_id:row-7``. The driver reads the variable
+(``dataset.build_dataset``) and ships it to the actors in ``StagePlan.fault_inject``, so it acts on
+every node; an active injector announces itself in the actor log. Never set it in production.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+FAULT_ENV = "ORTHRUS_FAULT_INJECT"
+
+
+def from_environment() -> str | None:
+    """The driver's fault spec (None = off, the default)."""
+    return os.environ.get(FAULT_ENV) or None
+
+
+@dataclass(frozen=True)
+class FaultInjector:
+    """Parsed directives; :meth:`before_generate` raises when one matches."""
+
+    max_rows: int | None = None
+    oom_ids: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "FaultInjector | None":
+        """Parse a spec; a malformed one is an error (a silently ignored fault would fake a pass)."""
+        if not spec:
+            return None
+        max_rows, ids = None, set()
+        for item in spec.split(","):
+            kind, sep, arg = item.strip().partition(":")
+            if kind == "oom_if_batch_gt" and sep and arg.isdigit():
+                max_rows = int(arg)
+            elif kind == "oom_on_id" and sep and arg:
+                ids.add(arg)
+            else:
+                raise ValueError(f"{FAULT_ENV}: cannot parse {item!r} (expected oom_if_batch_gt:N or oom_on_id:ID)")
+        return cls(max_rows, frozenset(ids))
+
+    def before_generate(self, ids: list[str]) -> None:
+        """Raise ``torch.OutOfMemoryError`` if this call must fail."""
+        if self.max_rows is not None and len(ids) > self.max_rows:
+            raise torch.OutOfMemoryError(f"simulated out of memory ({FAULT_ENV}): {len(ids)} rows > "
+                                         f"{self.max_rows}")
+        hit = self.oom_ids.intersection(ids)
+        if hit:
+            raise torch.OutOfMemoryError(f"simulated out of memory ({FAULT_ENV}): batch holds row "
+                                         f"{sorted(hit)[0]!r}")
