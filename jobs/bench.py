@@ -210,7 +210,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    plot(report, str(Path(args.out).with_suffix(".png")))
+    print(f"wrote {args.out} and its plot")
+
+
+def plot(report: dict, path: str) -> None:
+    """Tokens/s per batch size for each mode (the README's figure)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = sorted(report["results"], key=int)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for mode in MODES:
+        ys = [report["results"][b].get(mode, {}).get("tokens_per_s") for b in sizes]
+        if any(y is not None for y in ys):
+            ax.plot([int(b) for b in sizes], ys, marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{report['device']}, K={report['block_size']}, {report['max_new_tokens']} new tokens (medians)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def print_row(b: int, cells: dict) -> None:

@@ -57,8 +57,9 @@ class SlotBook:
         return int(committed.max()) + self.width
 
     def record(self, slots: np.ndarray, packed: np.ndarray, speculative: bool
-               ) -> tuple[np.ndarray, np.ndarray, float]:
-        """Fold one iteration's packed result in → (finished slots, their reasons, mean L+1 of live rows)."""
+               ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Fold one iteration's packed result in → (finished slots, their reasons, sum of L+1 over live
+        rows, number of live rows)."""
         w = packed.shape[1] - 5
         emitted, n_emit, n_acc, reason, alive, first = (packed[:, :w], packed[:, w], packed[:, w + 1],
                                                        packed[:, w + 2], packed[:, w + 3], packed[:, w + 4])
@@ -72,12 +73,12 @@ class SlotBook:
         live = alive.astype(bool)
         if not speculative:
             self.ar_steps[slots] += alive
-            return slots[reason != RUNNING], reason[reason != RUNNING], 1.0
+            return slots[reason != RUNNING], reason[reason != RUNNING], int(live.sum()), int(live.sum())
         self.cycles[slots] += alive
         self.accepted[slots] += n_acc
         np.add.at(self.hist, (slots[live], n_acc[live]), 1)
-        mean_tokens = float(n_acc[live].mean() + 1) if live.any() else float("nan")
-        return slots[reason != RUNNING], reason[reason != RUNNING], mean_tokens
+        tokens = int(n_acc[live].sum() + live.sum())
+        return slots[reason != RUNNING], reason[reason != RUNNING], tokens, int(live.sum())
 
     def harvest(self, slot: int, reason: int, seed: int) -> tuple[int, GenerationResult]:
         """Free a finished slot → (row, result)."""

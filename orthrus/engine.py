@@ -57,6 +57,7 @@ class OrthrusEngine:
         self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
                                    self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
         self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
+        self.policy: SpeculationPolicy | None = None     # created by the first speculative="auto" call
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
@@ -101,8 +102,11 @@ class OrthrusEngine:
         st = decode.SlotState(self.max_batch_size, stop_width, self.device)
         flags = (any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy), all(p.greedy for p in plist))
         book = SlotBook(self.max_batch_size, len(prompts), self.block_size, max(p.max_new_tokens for p in plist))
-        policy = SpeculationPolicy() if speculative == "auto" else None
-        self.last_policy = policy
+        # The policy outlives a call: costs are a property of this engine on this device, acceptance
+        # of this model on this workload, and a batch job calls generate once per batch.
+        if speculative == "auto" and self.policy is None:
+            self.policy = SpeculationPolicy()
+        policy = self.policy if speculative == "auto" else None
         lens = [len(p) for p in prompts]
         results: list[GenerationResult | None] = [None] * len(prompts)
         self.cache.reset()
@@ -115,9 +119,9 @@ class OrthrusEngine:
             start = time.perf_counter()
             packed = self._iterate(st, slots, book.kv_len(slots), spec, *flags)
             packed_host = packed.cpu().numpy()  # SYNC: the one device→host read per iteration
-            done, reasons, mean_tokens = book.record(slots, packed_host, spec)
+            done, reasons, tokens, live = book.record(slots, packed_host, spec)
             if policy:
-                policy.observe(SPEC if spec else AR, len(slots), time.perf_counter() - start, mean_tokens)
+                policy.observe(SPEC if spec else AR, len(slots), time.perf_counter() - start, tokens, live)
             for slot, reason in zip(done, reasons):
                 row, res = book.harvest(int(slot), int(reason), seeds[book.row[slot]])
                 results[row] = res

@@ -86,7 +86,7 @@ def test_auto_speculation_is_exact_and_reports_both_kinds_of_iteration(model):
     engine = OrthrusEngine(model, max_batch_size=3)
     params = SamplingParams(max_new_tokens=40)
     auto = engine.generate(PROMPTS, params, speculative="auto")
-    policy = engine.last_policy
+    policy = engine.policy
     ar = engine.generate(PROMPTS, params, speculative=False)
     assert [r.token_ids for r in auto] == [r.token_ids for r in ar]
     assert policy.chosen["spec"] > 0 and policy.chosen["ar"] > 0            # both were measured
