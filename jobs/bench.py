@@ -17,10 +17,10 @@ import statistics
 import time
 from pathlib import Path
 
-import pyarrow.dataset as pads
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 
 MODES = ("orthrus", "auto", "ar", "hf")
@@ -82,9 +82,7 @@ def gpu_model() -> tuple[OrthrusForCausalLM, list[list[int]]]:
 def cpu_model(args) -> tuple[OrthrusForCausalLM, list[list[int]]]:
     """The bundled model and its held-out prompts."""
     tok = AutoTokenizer.from_pretrained(args.model)
-    texts = pads.dataset(args.prompts, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
-    return (OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32),
-            [tok(t, add_special_tokens=False)["input_ids"] for t in texts])
+    return OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32), load_prompt_ids(tok, args.prompts)
 
 
 def run_engine(engine: OrthrusEngine, timer: ForwardTimer, prompts, max_new: int, mode: str) -> dict:

@@ -12,10 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-import pyarrow.dataset as pads
 import torch
 from transformers import AutoTokenizer
 
+from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusForCausalLM
 from orthrus.trainer import acceptance
 
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    texts = pads.dataset(args.prompts, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts[: args.n]]
+    prompts = load_prompt_ids(tok, args.prompts, args.n)
     rows = []
     for k in (int(x) for x in args.block_sizes.split(",")):
         for t in (float(x) for x in args.temperatures.split(",")):

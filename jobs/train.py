@@ -18,6 +18,7 @@ import pyarrow.dataset as pads
 import torch
 from transformers import AutoTokenizer
 
+from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusForCausalLM
 from orthrus.trainer import DiffusionTrainer, TrainConfig, acceptance, self_generated_rows
 
@@ -73,8 +74,7 @@ def pack(tok, texts: list[str], seq_len: int) -> torch.Tensor:
 def eval_prompts(tok, shards: str, n: int) -> list[list[int]]:
     if n <= 0 or not Path(shards).exists():
         return []
-    prompts = pads.dataset(shards, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
-    return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts[:n]]
+    return load_prompt_ids(tok, shards, n)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.dataset as pads
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "tiny-orthrus-py"
@@ -18,8 +18,7 @@ SHARDS = Path(__file__).resolve().parents[1] / "examples" / "shards"
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(str(BUNDLED))
-    texts = pads.dataset(str(SHARDS), format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts[:8]]
+    return load_prompt_ids(tok, str(SHARDS), 8)
 
 
 def _tokens_per_cycle(model, prompts) -> float:
