@@ -1,0 +1,1 @@
+"""Entry points: thin command-line wrappers over `orthrus` and `pipeline`."""
