@@ -41,30 +41,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job", action=argparse.BooleanOptionalAction, default=True,
                     help="also compare the Ray Data job with the bare engine on all prompts (CPU only)")
     ap.add_argument("--job-config", default="examples/demo.yaml")
+    ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash"],
+                    help="KV-cache attention kernel (auto = flash when importable on CUDA)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="on CUDA, replay each steady-state iteration as a captured graph")
     return ap.parse_args(argv)
 
 
 class ForwardTimer:
-    """Accumulates seconds spent in the model's cached forwards, split by view."""
+    """Accumulates seconds spent in the model's cached forwards, split by view.
 
-    def __init__(self, model: OrthrusForCausalLM) -> None:
-        self.model, self.inner, self.seconds = model, model.forward_cached, {"draft": 0.0, "verify": 0.0}
+    Only for eager engines: timing needs a device sync around every forward, which a captured
+    CUDA graph cannot contain (static-shape engines report no split).
+    """
+
+    def __init__(self, model: OrthrusForCausalLM, enabled: bool) -> None:
+        self.model, self.inner, self.enabled = model, model.forward_cached, enabled
+        self.seconds = {"draft": 0.0, "verify": 0.0}
 
         def timed(ids, cache, batch, diffusion):
-            self._sync()
+            self.sync()
             t = time.perf_counter()
             out = self.inner(ids, cache, batch, diffusion)
-            self._sync()
+            self.sync()
             self.seconds["draft" if diffusion else "verify"] += time.perf_counter() - t
             return out
-        model.forward_cached = timed
+        if enabled:
+            model.forward_cached = timed
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if next(self.model.parameters()).is_cuda:
             torch.cuda.synchronize()
 
     def reset(self) -> None:
         self.seconds = {"draft": 0.0, "verify": 0.0}
+
+    def restore(self) -> None:
+        self.model.forward_cached = self.inner
+
+    def split(self, total: float) -> dict:
+        if not self.enabled:
+            return {"draft_s": None, "verify_s": None, "rest_s": None}
+        d, v = self.seconds["draft"], self.seconds["verify"]
+        return {"draft_s": d, "verify_s": v, "rest_s": total - d - v}
 
 
 def gpu_model() -> tuple[OrthrusForCausalLM, list[list[int]]]:
@@ -89,19 +108,17 @@ def run_engine(engine: OrthrusEngine, timer: ForwardTimer, prompts, max_new: int
     timer.reset()
     spec = {"orthrus": True, "auto": "auto", "ar": False}[mode]
     params = [SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
-    timer._sync()
+    timer.sync()
     t = time.perf_counter()
     res = engine.generate(prompts, params, speculative=spec)
-    timer._sync()
+    timer.sync()
     dt = time.perf_counter() - t
     tokens = sum(len(r.token_ids) for r in res)
     cycles = sum(r.stats.num_cycles for r in res)
     iters = cycles + sum(r.stats.num_ar_steps for r in res)
     tpc = (sum(r.stats.num_accepted_draft_tokens for r in res) + iters) / max(iters, 1)
     return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_cycle": tpc,
-            "tpf": tpc / 2 if mode == "orthrus" else None, "draft_s": timer.seconds["draft"],
-            "verify_s": timer.seconds["verify"],
-            "rest_s": dt - timer.seconds["draft"] - timer.seconds["verify"]}
+            "tpf": tpc / 2 if mode == "orthrus" else None, **timer.split(dt)}
 
 
 def run_hf(hf: Qwen3ForCausalLM, prompts, max_new: int, eos: tuple[int, ...], device: str) -> dict:
@@ -131,8 +148,11 @@ def median_cells(samples: dict[str, list[dict]]) -> dict[str, dict]:
 def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
     engine = OrthrusEngine(model, max_batch_size=b, block_size=args.block_size,
-                           max_seq_len=min(1024, model.config.max_position_embeddings))
-    timer = ForwardTimer(model)
+                           max_seq_len=min(1024, model.config.max_position_embeddings), attention=args.attention,
+                           static_shapes=args.device == "cuda" and args.cuda_graphs)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    timer = ForwardTimer(model, enabled=not engine.static_shapes)
     batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
     samples: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(args.reps + 1):
@@ -143,7 +163,7 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
                 cell = run_engine(engine, timer, batch_prompts, args.max_new_tokens, mode)
             if rep:
                 samples[mode].append(cell)
-    model.forward_cached = timer.inner
+    timer.restore()
     cells = median_cells(samples)
     for mode, cell in cells.items():
         if "ar" in cells:
@@ -154,6 +174,9 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
         cycle = cells["orthrus"]["seconds"] / max(1, cells["orthrus"]["tokens"] / cells["orthrus"]["tokens_per_cycle"])
         step = cells["ar"]["seconds"] / max(1, cells["ar"]["tokens"])
         cells["cycle_over_ar_step"] = cycle / step
+    cells["engine"] = {"attention": engine.attention, "cuda_graphs": engine.static_shapes and args.device == "cuda"}
+    if args.device == "cuda":
+        cells["engine"]["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
     return cells
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
+from orthrus import flash
 from orthrus.cache import RaggedKVCache
 
 AR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -40,6 +41,8 @@ class BlockBatch:
     positions: torch.Tensor     # [b, T] absolute positions, also the cache write offsets
     key_limit: torch.Tensor     # [b, T] key j is visible iff j < key_limit
     kv_len: int                 # host-known bound: max(key_limit) <= kv_len <= capacity
+    causal: bool = True         # False only for the draft block; the same rule as key_limit, for
+                                # kernels that take lengths instead of a mask (flash.py)
 
     def slot_index(self, num_slots: int) -> torch.Tensor:
         """The slots as a tensor, materialising ``arange(B)`` for the all-slots case."""
@@ -102,6 +105,11 @@ class OrthrusAttention(nn.Module):
                        cache: RaggedKVCache, batch: BlockBatch, diffusion: bool) -> torch.Tensor:
         """Write this block's K/V into the cache, then attend over the row's visible keys."""
         q, k, v = self.project(x, cos, sin, diffusion)
+        if cache.flash_kernel is not None:   # one fused append + attend, bounded by each row's length
+            out = flash.kvcache_attention(q, k, v, cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                          batch.positions[:, 0], batch.slots, batch.causal, self.scale,
+                                          cache.flash_kernel)
+            return self.output(out, diffusion)
         cache.write(self.layer_idx, batch.slot_index(cache.num_slots), batch.positions, k, v)
         k_all, v_all = cache.read(self.layer_idx, batch.slots, batch.kv_len)  # [b, Hk, L, D]
         return self.output(ragged_attention(q, k_all, v_all, batch.key_limit, self.scale), diffusion)

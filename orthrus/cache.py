@@ -27,6 +27,9 @@ class RaggedKVCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)  # committed tokens
         self.num_slots = num_slots
         self.capacity = capacity
+        # The kernel that appends to and reads this cache: None = write() + read() + SDPA with a mask;
+        # else a flash_attn_with_kvcache-compatible function (see flash.py), set by the engine.
+        self.flash_kernel = None
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ class SlotState:
     """Per-slot decoding state on the device, ``[B]`` (``stop_ids [B, S]``, padded with -1)."""
 
     def __init__(self, num_slots: int, stop_width: int, device: torch.device) -> None:
+        # Allocated once per engine: captured CUDA graphs hold these addresses (graphs.py).
         def z(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(num_slots, dtype=dtype, device=device)
         self.anchor, self.seed, self.counter, self.row = z(torch.long), z(torch.long), z(torch.long), z(torch.long)
@@ -34,6 +35,15 @@ class SlotState:
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float64), z(torch.float64) + 1
         self.greedy, self.alive = z(torch.bool), z(torch.bool)
         self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
+
+    def reset(self) -> None:
+        """Every slot empty and dead, in place (a prefill sets all of a slot's fields)."""
+        for t in (self.anchor, self.seed, self.counter, self.row, self.out_count, self.max_new,
+                  self.prompt_len, self.reason, self.top_k, self.temperature, self.greedy, self.alive):
+            t.zero_()
+        self.first.fill_(-1)
+        self.top_p.fill_(1)
+        self.stop_ids.fill_(-1)
 
     def sampling(self, slots: torch.Tensor, filtered: bool, all_greedy: bool) -> SamplingTensors:
         """Processing parameters of the given slots (the flags are host-known, never read back)."""
@@ -111,7 +121,7 @@ def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: Ragg
     n = cache.lengths[slots]                                                  # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
     view_slots = None if all_slots else slots
-    draft_view = BlockBatch(view_slots, pos, (n + k)[:, None].expand(b, k), kv_len)
+    draft_view = BlockBatch(view_slots, pos, (n + k)[:, None].expand(b, k), kv_len, causal=False)
     sp = st.sampling(slots, filtered, all_greedy)
     seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
     q_logits = proposer.propose(anchor, draft_view, cache, st.row[slots])          # [b, K-1, V]

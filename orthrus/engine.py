@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from orthrus import decode
+from orthrus import decode, flash
 from orthrus.bookkeeping import SlotBook
 from orthrus.cache import RaggedKVCache
+from orthrus.graphs import CycleGraphs, pad_slots
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import GenerationResult, SamplingParams
 from orthrus.policy import AR, SPEC, SpeculationPolicy
@@ -24,6 +25,7 @@ from orthrus.proposer import DiffusionProposer, Proposer
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
+ATTENTION_KERNELS = ("auto", "sdpa", "flash")
 
 
 class OrthrusEngine:
@@ -33,10 +35,17 @@ class OrthrusEngine:
     block per slot as scratch for the draft/verify writes. It defaults to the model's
     ``max_position_embeddings`` capped at ``DEFAULT_MAX_SEQ_LEN``: the cache is allocated up front
     for every slot, and a 40k-token context × 32 slots of a 1.7B model would not fit one GPU.
+
+    ``attention``: "sdpa" (masked SDPA over a host-known key bound), "flash" (FlashAttention's
+    KV-cache kernel, per-row lengths, no mask) or "auto" (flash where it can run: CUDA, fp16/bf16,
+    ``flash_attn`` importable). ``static_shapes``: pad every iteration to a bucket of rows over the
+    whole cache, so that each is captured once as a CUDA graph and replayed (``graphs.py``); None =
+    on for CUDA. On CPU it runs the same static path without capture (for tests).
     """
 
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
-                 max_seq_len: int | None = None, proposer: Proposer | None = None) -> None:
+                 max_seq_len: int | None = None, proposer: Proposer | None = None, attention: str = "auto",
+                 static_shapes: bool | None = None) -> None:
         cfg = model.config
         self.block_size = int(block_size if block_size is not None else model.block_size)
         self.max_seq_len = int(max_seq_len if max_seq_len is not None
@@ -47,6 +56,8 @@ class OrthrusEngine:
             raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {self.block_size}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.vocab_size = int(cfg.vocab_size)
@@ -56,8 +67,27 @@ class OrthrusEngine:
         attn = model.model.layers[0].self_attn
         self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
                                    self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
+        self.cache.flash_kernel = self._flash_kernel(attention, param.dtype)
+        self.attention = "sdpa" if self.cache.flash_kernel is None else "flash"
+        self.static_shapes = self.device.type == "cuda" if static_shapes is None else bool(static_shapes)
+        self.graphs = CycleGraphs(self.device)
         self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
         self.policy: SpeculationPolicy | None = None     # created by the first speculative="auto" call
+        self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device)
+
+    def _flash_kernel(self, attention: str, dtype: torch.dtype) -> flash.KVCacheKernel | None:
+        why_not = flash.unavailable_reason(self.device, dtype)
+        if attention == "flash" and why_not:
+            raise ValueError(f"attention='flash' is unavailable: {why_not}")
+        return flash.kernel() if attention != "sdpa" and not why_not else None
+
+    def _state_for(self, stop_width: int) -> decode.SlotState:
+        """The engine's slot state, reset; widened (dropping captured graphs) if a call needs more stops."""
+        if stop_width > self.state.stop_ids.shape[1]:
+            self.state = decode.SlotState(self.max_batch_size, stop_width, self.device)
+            self.graphs.clear()
+        self.state.reset()
+        return self.state
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
@@ -99,7 +129,7 @@ class OrthrusEngine:
         plist = self._validate(prompts, params)
         seeds = [p.seed if p.seed is not None else secrets.randbits(63) for p in plist]
         stop_width = len(self.eos_token_ids) + max(len(p.stop_token_ids) for p in plist)
-        st = decode.SlotState(self.max_batch_size, stop_width, self.device)
+        st = self._state_for(stop_width)
         flags = (any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy), all(p.greedy for p in plist))
         book = SlotBook(self.max_batch_size, len(prompts), self.block_size, max(p.max_new_tokens for p in plist))
         # The policy outlives a call: costs are a property of this engine on this device, acceptance
@@ -117,8 +147,7 @@ class OrthrusEngine:
             slots = book.occupied()
             spec = policy.choose(len(slots)) == SPEC if policy else bool(speculative)
             start = time.perf_counter()
-            packed = self._iterate(st, slots, book.kv_len(slots), spec, *flags)
-            packed_host = packed.cpu().numpy()  # SYNC: the one device→host read per iteration
+            packed_host = self._iterate(st, slots, book.kv_len(slots), spec, *flags)
             done, reasons, tokens, live = book.record(slots, packed_host, spec)
             if policy:
                 policy.observe(SPEC if spec else AR, len(slots), time.perf_counter() - start, tokens, live)
@@ -128,10 +157,21 @@ class OrthrusEngine:
         return results  # type: ignore[return-value]
 
     def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, spec: bool, filtered: bool,
-                 all_greedy: bool) -> torch.Tensor:
-        """One speculative cycle or AR step over the occupied slots → packed result (on the device)."""
-        slots_t = torch.as_tensor(slots, device=self.device)
-        all_slots = len(slots) == self.max_batch_size
+                 all_greedy: bool) -> np.ndarray:
+        """One speculative cycle or AR step over the occupied ``slots`` → their packed results (host)."""
+        if not self.static_shapes:
+            packed = self._device_iteration(st, torch.as_tensor(slots, device=self.device),
+                                            len(slots) == self.max_batch_size, kv_len, spec, filtered, all_greedy)
+            return packed.cpu().numpy()  # SYNC: the one device→host read per iteration
+        padded, where = pad_slots(slots, self.max_batch_size)
+        all_slots, capacity = len(padded) == self.max_batch_size, self.cache.capacity
+        packed = self.graphs.run((spec, len(padded), filtered, all_greedy), padded, lambda s: self._device_iteration(
+            st, s, all_slots, capacity, spec, filtered, all_greedy))
+        return packed.cpu().numpy()[where]  # SYNC: the one device→host read per iteration
+
+    def _device_iteration(self, st: decode.SlotState, slots_t: torch.Tensor, all_slots: bool, kv_len: int,
+                          spec: bool, filtered: bool, all_greedy: bool) -> torch.Tensor:
+        """The device work of one iteration over ``slots_t`` → packed result ``[b, W + 5]`` (no host reads)."""
         if spec:
             return decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots, kv_len,
                                             self.block_size, filtered, all_greedy, self.max_seq_len)

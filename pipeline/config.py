@@ -114,6 +114,19 @@ class EngineConfig(_Section):
     max_seq_len: int | None = Field(None, ge=2, description=(
         "Context limit (prompt + generated tokens); the KV cache is allocated for it in every slot. "
         "None = the model's max_position_embeddings capped at 8192."))
+    attention: Literal["auto", "sdpa", "flash"] = Field("auto", description=(
+        "Attention kernel over the KV cache: 'flash' = FlashAttention's flash_attn_with_kvcache with "
+        "per-row lengths (needs GPU replicas, bf16/fp16 and the flash-attn package); 'sdpa' = PyTorch "
+        "SDPA with a ragged mask; 'auto' = flash where it can run, sdpa elsewhere."))
+    cuda_graphs: bool = Field(True, description=(
+        "On GPU replicas, pad each decode iteration to static shapes and replay it as a captured "
+        "CUDA graph (one launch per cycle). Ignored on CPU."))
+
+    @model_validator(mode="after")
+    def _flash_needs_half_precision(self) -> "EngineConfig":
+        if self.attention == "flash" and self.dtype == "float32":
+            raise ValueError("engine.attention='flash' needs engine.dtype bfloat16, float16 or auto, not float32")
+        return self
 
 
 class ResourcesConfig(_Section):

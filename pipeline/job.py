@@ -12,7 +12,7 @@ from pipeline.inputs import InputPlan, inspect_inputs
 from pipeline.model_files import load_tokenizer, resolve_model_dir
 from pipeline.output import OutputDir
 from pipeline.prompts import uses_chat_template
-from pipeline.resources import resolve_placement
+from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.schema import output_schema, to_output_table
 from pipeline.stage import GenerationStage
 from pipeline.summary import render_table, summarize
@@ -60,6 +60,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     start = time.time()
     config, inputs, out = prepared.config, prepared.inputs, prepared.out
     placement = resolve_placement(config.resources, ray.cluster_resources())
+    check_engine_placement(config.engine, placement)
     out.prepare(config.behaviour, {"model": config.model.path,
                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     finished = out.finished_keys()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import ConfigError, ResourcesConfig
+from pipeline.config import ConfigError, EngineConfig, ResourcesConfig
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,10 @@ def resolve_placement(cfg: ResourcesConfig, cluster: dict[str, float]) -> Placem
                           f"resources.cpus_per_replica) leave no CPU free of the cluster's {cpus:g} for the "
                           "read/tokenize tasks; lower one of them")
     return placement
+
+
+def check_engine_placement(engine: EngineConfig, placement: Placement) -> None:
+    """Engine settings that need GPUs fail here, before any actor loads a model."""
+    if engine.attention == "flash" and not placement.use_gpu:
+        raise ConfigError("engine.attention='flash' needs GPU replicas (resources.gpus_per_replica > 0 on a "
+                          "cluster with GPUs); use 'auto' or 'sdpa' on CPU")

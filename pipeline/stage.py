@@ -66,7 +66,9 @@ class GenerationStage:
         model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device),
                                                    device=self.device)
         self.engine = OrthrusEngine(model, max_batch_size=plan.engine.max_batch_size,
-                                    block_size=plan.engine.block_size, max_seq_len=plan.engine.max_seq_len)
+                                    block_size=plan.engine.block_size, max_seq_len=plan.engine.max_seq_len,
+                                    attention=plan.engine.attention,
+                                    static_shapes=plan.engine.cuda_graphs and self.device == "cuda")
         self.stop_ids = set(self.engine.eos_token_ids) | set(plan.sampling.stop_token_ids)
         self.tokenizer = load_tokenizer(model_dir)
         self.actor, self.gpu_ids = _actor_identity()

@@ -50,6 +50,8 @@ def test_defaults_and_overrides(tmp_path):
     ("engine", {"max_batch_size": 0}, "engine.max_batch_size"),
     ("engine", {"block_size": 1}, "engine.block_size"),
     ("engine", {"dtype": "float8"}, "engine.dtype"),
+    ("engine", {"attention": "xformers"}, "engine.attention"),
+    ("engine", {"attention": "flash", "dtype": "float32"}, "engine"),
     ("prompt", {"chat_template": "maybe"}, "prompt.chat_template"),
     ("resources", {"cpus_per_replica": 0}, "resources.cpus_per_replica"),
     ("behaviour", {"resume": True, "overwrite": True}, "behaviour"),

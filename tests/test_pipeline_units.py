@@ -9,13 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.config import BehaviourConfig, ConfigError, ResourcesConfig, load_config
+from pipeline.config import BehaviourConfig, ConfigError, EngineConfig, ResourcesConfig, load_config
 from pipeline.job import preflight
 from pipeline.output import OutputDir
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from pipeline.postprocess import finish_text
 from pipeline.preprocess import PreprocessPlan, derive_seed, preprocess_batch
-from pipeline.resources import resolve_placement
+from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.stage import GenerationStage, StagePlan
 from pipeline.schema import OUTPUT_FIELDS, key_strings, output_schema, to_output_table
 from pipeline.summary import acceptance_by_position, row_statistics
@@ -222,6 +222,14 @@ def test_placement_auto_and_cpu_headroom():
     assert (g.replicas, g.gpus_per_replica, g.use_gpu) == (4, 1.0, True)
     with pytest.raises(ConfigError, match="resources.replicas x resources.cpus_per_replica"):
         resolve_placement(ResourcesConfig(replicas=2), {"CPU": 2})
+
+
+def test_flash_attention_needs_gpu_replicas():
+    flash = EngineConfig(attention="flash")
+    check_engine_placement(flash, resolve_placement(ResourcesConfig(), {"CPU": 16, "GPU": 4}))
+    check_engine_placement(EngineConfig(), resolve_placement(ResourcesConfig(), {"CPU": 2}))
+    with pytest.raises(ConfigError, match="engine.attention='flash' needs GPU replicas"):
+        check_engine_placement(flash, resolve_placement(ResourcesConfig(), {"CPU": 2}))
 
 
 def test_acceptance_statistics():

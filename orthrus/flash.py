@@ -1,0 +1,67 @@
+"""FlashAttention's KV-cache kernel as the GPU form of ``ragged_attention`` (DESIGN §2.3).
+
+Shape legend
+    B   cache slots          b   rows of this forward       T   query tokens per row
+    H   query heads          Hk  key/value heads            D   head dim
+    S   cache capacity per slot
+
+``flash_attn_with_kvcache(q, k_cache, v_cache, k=, v=, cache_seqlens=n, cache_batch_idx=slots)``
+writes each row's new K/V at ``n[b] … n[b]+T-1`` of cache slot ``slots[b]`` and attends over keys
+``0 … n[b]+T-1`` in one kernel, reading no further than each row's own length: no mask tensor and
+no ``kv_len`` bound, which is what lets the steady-state cycle keep static shapes for CUDA graphs.
+Its ``causal`` mask is aligned to the bottom-right corner, so with the block at the end of the
+keys it is exactly our rules:
+
+    causal=True   (prefill, verify, AR)  query t sees keys j <= n + t
+    causal=False  (draft block)          query t sees keys j <  n + T  (whole prefix + whole block)
+
+Layout: our cache stores ``[B, Hk, S, D]`` (SDPA's layout); the kernel wants ``[B, S, Hk, D]`` but
+only requires a contiguous last dim and reads every other stride, so a transposed *view* serves
+both without a copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:  # the CUDA package; absent on CPU machines (and from this project's CI)
+    from flash_attn import flash_attn_with_kvcache as _kernel
+except ImportError:  # pragma: no cover - depends on the machine
+    _kernel = None
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+KVCacheKernel = Callable[..., torch.Tensor]
+
+
+def kernel() -> KVCacheKernel | None:
+    """The importable ``flash_attn_with_kvcache``, or None."""
+    return _kernel
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the flash kernel cannot serve this device/dtype (None when it can)."""
+    if _kernel is None:
+        return "the flash_attn package is not importable"
+    if device.type != "cuda":
+        return f"it needs a CUDA device (model is on {device})"
+    if dtype not in FLASH_DTYPES:
+        return f"it needs float16 or bfloat16 weights (model is {dtype})"
+    return None
+
+
+def kvcache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor | None, causal: bool,
+                      scale: float, fn: KVCacheKernel) -> torch.Tensor:
+    """Append ``k_new, v_new [b, Hk, T, D]`` at ``starts [b]`` and attend ``q [b, H, T, D]`` → ``[b, H, T, D]``.
+
+    ``k_cache, v_cache [B, Hk, S, D]`` are updated in place; ``slots [b]`` picks each row's slot
+    (None: rows are slots 0 … B-1).
+    """
+    out = fn(q.transpose(1, 2),                                    # [b, T, H, D]
+             k_cache.transpose(1, 2), v_cache.transpose(1, 2),      # [B, S, Hk, D] views, no copy
+             k=k_new.transpose(1, 2), v=v_new.transpose(1, 2),      # [b, T, Hk, D]
+             cache_seqlens=starts.to(torch.int32),
+             cache_batch_idx=None if slots is None else slots.to(torch.int32),
+             softmax_scale=scale, causal=causal)
+    return out.transpose(1, 2)                                      # [b, H, T, D]

@@ -1,0 +1,90 @@
+"""Static-shape decode iterations, each captured once as a CUDA graph and replayed.
+
+Why: at small batches a cycle is a few hundred small kernels (two forwards, sampling, acceptance,
+commit); launching them one by one from Python costs more than running them. A CUDA graph replays
+the whole iteration with one launch. Capture needs fixed shapes, fixed addresses and no host reads,
+so the static path differs from the eager one in three ways only:
+
+- rows: the occupied slots are padded to a bucket size (powers of two, capped at the slot count)
+  with free slots. A free slot is dead (``alive`` is False), so its commit changes nothing, and the
+  K/V its forward writes lands in a slot nobody reads until a prefill overwrites it. There are
+  always enough free slots: ``bucket - occupied <= slots - occupied``.
+- keys: every forward sees the whole cache capacity (masked SDPA) or is bounded by each row's own
+  length inside the kernel (flash), instead of the host-known ``kv_len`` of the eager path.
+- state: the engine's ``SlotState`` and cache are allocated once, and the slot indices are copied
+  into a static buffer before each replay. Randomness is counter-based (``rng.py``): no generator
+  state to capture.
+
+The first iteration with a given key runs eagerly (its result is used) and doubles as the warm-up
+capture needs; capture then records the same work without running it, so no state moves twice.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+GraphKey = tuple[bool, int, bool, bool]   # (speculative, rows, filtered, all_greedy)
+
+
+def bucket(occupancy: int, num_slots: int) -> int:
+    """Rows a static iteration runs for ``occupancy`` live slots: the next power of two, capped."""
+    return min(num_slots, 1 << max(0, int(np.ceil(np.log2(max(occupancy, 1))))))
+
+
+def pad_slots(occupied: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Occupied slots padded with free ones to the bucket size, sorted; and each occupied slot's row."""
+    free = np.setdiff1d(np.arange(num_slots), occupied)
+    padded = np.sort(np.concatenate([occupied, free[: bucket(len(occupied), num_slots) - len(occupied)]]))
+    return padded, np.searchsorted(padded, occupied)
+
+
+class CycleGraphs:
+    """Runs static iterations: replays a captured CUDA graph per key, or runs eagerly (CPU, first use)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.capture = device.type == "cuda"
+        self.device = device
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.slot_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # rows -> (host, device)
+        self.pool = None
+
+    def clear(self) -> None:
+        """Forget every graph (the tensors they captured were reallocated)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def _slots(self, padded: np.ndarray) -> torch.Tensor:
+        """Copy the slot indices into the static device buffer of this row count."""
+        n = len(padded)
+        if n not in self.slot_buffers:
+            host = torch.empty(n, dtype=torch.long, pin_memory=self.capture)
+            self.slot_buffers[n] = (host, torch.empty(n, dtype=torch.long, device=self.device))
+        host, dev = self.slot_buffers[n]
+        host.copy_(torch.from_numpy(padded))
+        # The previous iteration's read-back drained the stream, so the pinned buffer is free again.
+        dev.copy_(host, non_blocking=self.capture)
+        return dev
+
+    def run(self, key: GraphKey, padded: np.ndarray, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn(slots)`` → packed result, for the static slot buffer holding ``padded``."""
+        slots = self._slots(padded)
+        entry = self.graphs.get(key)
+        if entry is not None:
+            graph, out = entry
+            graph.replay()
+            return out
+        if not self.capture:
+            return fn(slots)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):        # warm-up off the default stream, as capture requires
+            result = fn(slots)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(slots)                  # recorded, not run
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, out)
+        return result

@@ -1,0 +1,112 @@
+"""The GPU path's departures from the eager loop, checked on the CPU (no test needs a GPU).
+
+1. Static shapes — occupied slots padded with dead free slots to a bucket of rows, every forward over
+   the whole cache — which is what ``graphs.py`` captures as CUDA graphs: not one token changes.
+2. The FlashAttention KV-cache calling convention (layout views, int32 lengths, slot indices,
+   bottom-right causal alignment, in-place append): ``flash_attn_with_kvcache`` cannot run here, so
+   its documented semantics are written out below in plain torch and plugged in as the cache's
+   kernel; the engine must give exactly the SDPA path's tokens through it.
+3. Capturability: the static iteration traces as ONE graph with no breaks (a ``.item()``, a
+   data-dependent shape or Python branching on a tensor would break it, and would break capture).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orthrus import OrthrusEngine, SamplingParams
+from orthrus.graphs import bucket, pad_slots
+from tiny_models import tiny_model
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
+           [24, 25, 26], [27], [28, 29], [30, 31, 32, 33, 34]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+SAMPLED = [SamplingParams(temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=20, seed=i) for i in range(10)]
+
+
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                                      cache_batch_idx=None, softmax_scale=None, causal=False):
+    """flash-attn 2's ``flash_attn_with_kvcache`` as its docstring specifies it, row by row.
+
+    q ``[b, Tq, H, D]``; k_cache/v_cache ``[B, S, Hk, D]`` (last dim contiguous), updated in place
+    with k/v ``[b, Tq, Hk, D]`` at ``cache_seqlens [b]`` (int32) of slot ``cache_batch_idx [b]``
+    (int32, default 0 … b-1); each row attends keys ``< seqlens + Tq``; causal is bottom-right aligned.
+    """
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache must have a contiguous last dim"
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
+    assert cache_batch_idx is None or cache_batch_idx.dtype == torch.int32
+    b, tq, h, _ = q.shape
+    hk = k_cache.shape[2]
+    slots = torch.arange(b) if cache_batch_idx is None else cache_batch_idx.long()
+    out = torch.empty_like(q)
+    for r in range(b):
+        slot, n = int(slots[r]), int(cache_seqlens[r])
+        k_cache[slot, n: n + tq] = k[r]
+        v_cache[slot, n: n + tq] = v[r]
+        keys = k_cache[slot, : n + tq].transpose(0, 1).repeat_interleave(h // hk, 0)   # [H, L, D]
+        vals = v_cache[slot, : n + tq].transpose(0, 1).repeat_interleave(h // hk, 0)
+        scores = q[r].transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale           # [H, Tq, L]
+        if causal:
+            j, i = torch.arange(n + tq), torch.arange(tq)
+            scores = scores.masked_fill(j[None, :] > n + i[:, None], float("-inf"))
+        out[r] = (scores.softmax(-1) @ vals).transpose(0, 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3, diff_noise=0.3, scale=4.0)
+
+
+def _run(model, params, speculative, static: bool, flash: bool, slots: int = 5):
+    engine = OrthrusEngine(model, max_batch_size=slots, static_shapes=static, attention="sdpa")
+    if flash:
+        engine.cache.flash_kernel = reference_flash_attn_with_kvcache
+    return [(r.token_ids, r.finish_reason, r.stats.accept_length_histogram, r.stats.num_ar_steps)
+            for r in engine.generate(PROMPTS, params, speculative=speculative)]
+
+
+def test_padding_buckets_use_free_slots_only():
+    assert [bucket(n, 5) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 5]
+    occupied = torch.tensor([4, 1, 3]).numpy()
+    padded, where = pad_slots(occupied, 5)
+    assert len(padded) == 4 and len(set(padded)) == 4 and list(padded) == sorted(padded)
+    assert list(padded[where]) == [4, 1, 3]
+
+
+@pytest.mark.parametrize("speculative", [True, False, "auto"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_static_shapes_change_no_token(model, params, speculative):
+    eager = _run(model, params, speculative, static=False, flash=False)
+    if speculative == "auto":   # the policy's choices depend on wall time: compare outputs only
+        eager = [e[:2] for e in eager]
+        assert [s[:2] for s in _run(model, params, speculative, static=True, flash=False)] == eager
+    else:
+        assert _run(model, params, speculative, static=True, flash=False) == eager
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_flash_kvcache_convention_matches_sdpa(model, params, static):
+    assert _run(model, params, True, static=static, flash=True) == _run(model, params, True, static=False, flash=False)
+
+
+def test_flash_is_refused_where_it_cannot_run(model):
+    with pytest.raises(ValueError, match="attention='flash' is unavailable"):
+        OrthrusEngine(model, attention="flash")          # CPU, float64
+    with pytest.raises(ValueError, match="attention must be one of"):
+        OrthrusEngine(model, attention="xformers")
+    assert OrthrusEngine(model).attention == "sdpa" and not OrthrusEngine(model).static_shapes
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["cycle", "ar-step"])
+@pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "sampled"])
+def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
+    engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
+    engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])   # leaves a reset, valid state
+    torch._dynamo.reset()
+    traced = torch.compile(engine._device_iteration, backend="eager", fullgraph=True, dynamic=False)
+    slots = torch.arange(4)
+    with torch.inference_mode():
+        out = traced(engine.state, slots, True, engine.cache.capacity, spec, not all_greedy, all_greedy)
+    assert out.shape == (4, (engine.block_size if spec else 1) + 5)
