@@ -27,6 +27,7 @@ class SlotBook:
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
         self.cycles = np.zeros(num_slots, dtype=np.int64)
         self.accepted = np.zeros(num_slots, dtype=np.int64)
+        self.drafted = np.zeros(num_slots, dtype=np.int64)
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
 
@@ -42,6 +43,7 @@ class SlotBook:
         self.count[free] = 0
         self.cycles[free] = 0
         self.accepted[free] = 0
+        self.drafted[free] = 0
         self.ar_steps[free] = 0
         self.hist[free] = 0
         self.prompt_len[free] = [prompt_lens[r] for r in rows]
@@ -56,10 +58,10 @@ class SlotBook:
         committed = self.prompt_len[slots] + np.maximum(self.count[slots] - 1, 0)
         return int(committed.max()) + self.width
 
-    def record(self, slots: np.ndarray, packed: np.ndarray, speculative: bool
+    def record(self, slots: np.ndarray, packed: np.ndarray, block_size: int
                ) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """Fold one iteration's packed result in → (finished slots, their reasons, sum of L+1 over live
-        rows, number of live rows)."""
+        """Fold one iteration's packed result in (``block_size`` 0 = an AR step) → (finished slots,
+        their reasons, sum of L+1 over live rows, number of live rows)."""
         w = packed.shape[1] - 5
         emitted, n_emit, n_acc, reason, alive, first = (packed[:, :w], packed[:, w], packed[:, w + 1],
                                                        packed[:, w + 2], packed[:, w + 3], packed[:, w + 4])
@@ -71,10 +73,11 @@ class SlotBook:
         self.tokens[np.broadcast_to(slots[:, None], cols.shape)[keep], cols[keep]] = emitted[keep]
         self.count[slots] += n_emit
         live = alive.astype(bool)
-        if not speculative:
+        if not block_size:
             self.ar_steps[slots] += alive
             return slots[reason != RUNNING], reason[reason != RUNNING], int(live.sum()), int(live.sum())
         self.cycles[slots] += alive
+        self.drafted[slots] += alive * (block_size - 1)
         self.accepted[slots] += n_acc
         np.add.at(self.hist, (slots[live], n_acc[live]), 1)
         tokens = int(n_acc[live].sum() + live.sum())
@@ -84,7 +87,7 @@ class SlotBook:
         """Free a finished slot → (row, result)."""
         # SYNC: none — the .tolist() calls below convert host numpy, once per finished row
         row, c, a = int(self.row[slot]), int(self.cycles[slot]), int(self.ar_steps[slot])
-        stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=c * (self.width - 1),
+        stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
                          num_accepted_draft_tokens=int(self.accepted[slot]),
                          accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a)
         # SYNC: none — numpy buffers already on the host; lists for the public result type

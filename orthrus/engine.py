@@ -20,7 +20,7 @@ from orthrus.cache import RaggedKVCache
 from orthrus.graphs import CycleGraphs, pad_slots
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import GenerationResult, SamplingParams
-from orthrus.policy import AR, SPEC, SpeculationPolicy
+from orthrus.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.proposer import DiffusionProposer, Proposer
 
 
@@ -121,8 +121,9 @@ class OrthrusEngine:
                  speculative: bool | str = True) -> list[GenerationResult]:
         """Generate for every prompt; results come back in prompt order.
 
-        ``speculative``: True (Orthrus cycles), False (plain AR, the baseline) or ``"auto"`` (per
-        iteration, whichever is measured faster at the current occupancy; see ``policy.py``).
+        ``speculative``: True (Orthrus cycles of ``block_size``), False (plain AR, the baseline) or
+        ``"auto"`` (per iteration, the block size K, K/2, … or AR step measured fastest at the current
+        occupancy; see ``policy.py``).
         """
         if speculative not in (True, False, "auto"):
             raise ValueError(f"speculative must be True, False or 'auto', got {speculative!r}")
@@ -135,7 +136,7 @@ class OrthrusEngine:
         # The policy outlives a call: costs are a property of this engine on this device, acceptance
         # of this model on this workload, and a batch job calls generate once per batch.
         if speculative == "auto" and self.policy is None:
-            self.policy = SpeculationPolicy()
+            self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
         policy = self.policy if speculative == "auto" else None
         lens = [len(p) for p in prompts]
         results: list[GenerationResult | None] = [None] * len(prompts)
@@ -145,36 +146,37 @@ class OrthrusEngine:
                 slots, rows = book.admit(lens)
                 self._prefill(st, slots, rows, prompts, plist, seeds, *flags)
             slots = book.occupied()
-            spec = policy.choose(len(slots)) == SPEC if policy else bool(speculative)
+            k = policy.choose(len(slots)) if policy else (self.block_size if speculative else AR)
             start = time.perf_counter()
-            packed_host = self._iterate(st, slots, book.kv_len(slots), spec, *flags)
-            done, reasons, tokens, live = book.record(slots, packed_host, spec)
+            packed_host = self._iterate(st, slots, book.kv_len(slots), k, *flags)
+            done, reasons, tokens, live = book.record(slots, packed_host, k)
             if policy:
-                policy.observe(SPEC if spec else AR, len(slots), time.perf_counter() - start, tokens, live)
+                policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
             for slot, reason in zip(done, reasons):
                 row, res = book.harvest(int(slot), int(reason), seeds[book.row[slot]])
                 results[row] = res
         return results  # type: ignore[return-value]
 
-    def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, spec: bool, filtered: bool,
+    def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
                  all_greedy: bool) -> np.ndarray:
-        """One speculative cycle or AR step over the occupied ``slots`` → their packed results (host)."""
+        """A cycle with block size ``k`` (or an AR step, k = 0) over the occupied ``slots`` → their
+        packed results, on the host."""
         if not self.static_shapes:
             packed = self._device_iteration(st, torch.as_tensor(slots, device=self.device),
-                                            len(slots) == self.max_batch_size, kv_len, spec, filtered, all_greedy)
+                                            len(slots) == self.max_batch_size, kv_len, k, filtered, all_greedy)
             return packed.cpu().numpy()  # SYNC: the one device→host read per iteration
         padded, where = pad_slots(slots, self.max_batch_size)
         all_slots, capacity = len(padded) == self.max_batch_size, self.cache.capacity
-        packed = self.graphs.run((spec, len(padded), filtered, all_greedy), padded, lambda s: self._device_iteration(
-            st, s, all_slots, capacity, spec, filtered, all_greedy))
+        packed = self.graphs.run((k, len(padded), filtered, all_greedy), padded, lambda s: self._device_iteration(
+            st, s, all_slots, capacity, k, filtered, all_greedy))
         return packed.cpu().numpy()[where]  # SYNC: the one device→host read per iteration
 
     def _device_iteration(self, st: decode.SlotState, slots_t: torch.Tensor, all_slots: bool, kv_len: int,
-                          spec: bool, filtered: bool, all_greedy: bool) -> torch.Tensor:
+                          k: int, filtered: bool, all_greedy: bool) -> torch.Tensor:
         """The device work of one iteration over ``slots_t`` → packed result ``[b, W + 5]`` (no host reads)."""
-        if spec:
+        if k != AR:
             return decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots, kv_len,
-                                            self.block_size, filtered, all_greedy, self.max_seq_len)
+                                            k, filtered, all_greedy, self.max_seq_len)
         return decode.ar_step(self.model, self.cache, st, slots_t, all_slots, kv_len, filtered, all_greedy,
                               self.max_seq_len)
 

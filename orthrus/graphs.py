@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-GraphKey = tuple[bool, int, bool, bool]   # (speculative, rows, filtered, all_greedy)
+GraphKey = tuple[int, int, bool, bool]   # (block size or 0 = AR step, rows, filtered, all_greedy)
 
 
 def bucket(occupancy: int, num_slots: int) -> int:

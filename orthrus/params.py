@@ -58,7 +58,7 @@ class RowStats:
 
     num_cycles: int
     num_forward_passes: int          # prefill + 2 per cycle + 1 per AR step
-    num_draft_tokens: int            # (K - 1) per cycle
+    num_draft_tokens: int            # (k - 1) per cycle of block size k (K unless speculative="auto")
     num_accepted_draft_tokens: int
     accept_length_histogram: list[int] = field(default_factory=list)  # [L] = cycles accepting L drafts
     num_ar_steps: int = 0

@@ -1,78 +1,134 @@
-"""Batch-aware speculation (``speculative="auto"``): per cycle, speculate or take a plain AR step.
+"""Batch-aware speculation (``speculative="auto"``): per iteration, a block size — or a plain AR step.
 
-Both choices are exact (a cycle and an AR step start from, and leave, the same per-row state), so
-the choice only moves speed. A cycle costs a draft and a verify forward over K tokens per row and
-yields ``tokens_per_cycle`` tokens; an AR step yields 1. Which is faster depends on how busy the
-device already is: at batch 1 a K-token forward costs about as much as a 1-token one (memory
-bound), at large batches it costs up to K times more (compute bound). So we measure both, per
-occupancy bucket, and pick the larger expected tokens per second:
+Every choice is exact (a cycle of any block size and an AR step start from, and leave, the same
+per-row state), so the choice only moves speed. A cycle with block size k costs a draft and a
+verify forward over k tokens per row and yields ``tokens_per_cycle(k)`` tokens; an AR step yields 1.
+Which is fastest depends on how busy the device already is: at batch 1 a k-token forward costs
+about as much as a 1-token one (weights are read once either way), at large batches it costs up to
+k times more (compute bound). Smaller blocks lose little acceptance — most accepted drafts sit in
+the first few positions — while costing less per cycle, so the arms are AR and the block sizes
+K, K/2, K/4, … ≥ 2. Per occupancy bucket we measure each arm and pick the highest expected rate:
 
-    speculate  iff  tokens_per_cycle × t_ar_step(b)  >  t_cycle(b)
+    rate(AR) = 1 / t_ar(b)          rate(k) = tokens_per_cycle(k) / t_cycle(k, b)
 
-Measurements are wall-clock per loop iteration (device work + the one sync), kept as
-exponential moving averages. A bucket not measured yet borrows the cost ratio of the nearest
-measured one (costs scale together), so exploring a new occupancy does not cost a slow probe; the
-losing mode is re-probed every ``reprobe`` decisions so a change in acceptance or load is noticed.
-Acceptance is a decayed ratio of sums over live rows (not a mean of per-cycle means), so one
-unlucky cycle does not flip the decision.
+Costs are wall-clock per loop iteration (device work + the one sync), kept as exponential moving
+averages (the first run of an arm at a bucket is a warm-up, not a sample) and compared as ratios to the AR step of the same bucket. A bucket where an arm is not
+measured yet borrows that arm's cost ratio from the nearest bucket where it is (costs scale
+together), so exploring a new occupancy does not cost slow probes. Losing arms are re-probed
+every ``reprobe`` decisions or less often — in proportion to how much slower a probe of them is
+than the winner, and 8× less when they are clearly behind — so a change in acceptance or load is
+noticed at a bounded price. Acceptance per arm is a decayed ratio of sums over live rows (not
+a mean of per-cycle means), so one unlucky cycle does not flip the decision.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-SPEC, AR = "spec", "ar"
+AR = 0   # the arm of a plain AR step; every other arm is a block size
+
+
+def halving_block_sizes(block_size: int) -> tuple[int, ...]:
+    """K, K/2, K/4, … down to 2: the speculative arms for a model drafting K-token blocks."""
+    sizes = [block_size]
+    while sizes[-1] // 2 >= 2:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
 
 
 class SpeculationPolicy:
-    """Chooses SPEC or AR for the next iteration from measured costs and observed acceptance."""
+    """Chooses the next iteration's block size (``AR`` = 0 for a plain step) from measured costs."""
 
-    def __init__(self, alpha: float = 0.2, reprobe: int = 32, prior_tokens_per_cycle: float = 2.0,
-                 decay: float = 0.97) -> None:
+    def __init__(self, block_sizes: Sequence[int], alpha: float = 0.2, reprobe: int = 32,
+                 prior_tokens_per_cycle: float = 2.0, decay: float = 0.97) -> None:
+        if not block_sizes or min(block_sizes) < 2:
+            raise ValueError(f"block sizes must be >= 2, got {tuple(block_sizes)}")
+        self.arms: tuple[int, ...] = (AR, *sorted(set(block_sizes), reverse=True))
         self.alpha, self.reprobe, self.decay = alpha, reprobe, decay
-        self.cost: dict[tuple[str, int], float] = {}
-        self._tokens, self._cycles = prior_tokens_per_cycle, 1.0   # decayed sums of (L + 1) and row-cycles
+        self.cost: dict[tuple[int, int], float] = {}
+        self._warm: set[tuple[int, int]] = set()
+        # decayed sums of (L + 1) and of live row-cycles, per block size
+        self._tokens = {k: prior_tokens_per_cycle for k in self.arms if k != AR}
+        self._cycles = {k: 1.0 for k in self.arms if k != AR}
         self.decisions = 0
-        self.chosen: dict[str, int] = {SPEC: 0, AR: 0}
+        self._last: dict[int, dict[int, int]] = {}   # bucket -> arm -> decision at which it last ran
+        self.chosen: dict[int, int] = {k: 0 for k in self.arms}
 
     @staticmethod
     def bucket(occupancy: int) -> int:
         """Occupancy bucket: the next power of two (costs grow smoothly in between)."""
         return 1 << max(0, math.ceil(math.log2(max(occupancy, 1))))
 
-    @property
-    def tokens_per_cycle(self) -> float:
-        """Current estimate of tokens per speculative cycle (per row)."""
-        return self._tokens / self._cycles
+    def tokens_per_cycle(self, arm: int) -> float:
+        """Current estimate of tokens per iteration (per row) of an arm."""
+        return 1.0 if arm == AR else self._tokens[arm] / self._cycles[arm]
 
-    def _cost_ratio(self, b: int) -> float | None:
-        """t_cycle / t_ar_step at bucket ``b``, or at the nearest bucket where both were measured."""
-        measured = [k for (m, k) in self.cost if m == SPEC and (AR, k) in self.cost]
+    def _cost_ratio(self, arm: int, b: int) -> float | None:
+        """t(arm) / t_ar_step at bucket ``b``, or at the nearest bucket where both were measured."""
+        measured = [k for (a, k) in self.cost if a == arm and (AR, k) in self.cost]
         if not measured:
             return None
         near = b if b in measured else min(measured, key=lambda k: abs(math.log2(k) - math.log2(b)))
-        return self.cost[(SPEC, near)] / self.cost[(AR, near)]
+        return self.cost[(arm, near)] / self.cost[(AR, near)]
 
-    def choose(self, occupancy: int) -> str:
-        """SPEC or AR for an iteration over ``occupancy`` rows."""
+    def _unexplored(self, b: int) -> int | None:
+        """The next arm to measure: one with no cost ratio anywhere yet (largest block first); once it
+        has run at this bucket, the AR step there, which gives it a ratio."""
+        for arm in self.arms[1:]:
+            if self._cost_ratio(arm, b) is None:
+                return arm if (arm, b) not in self.cost else AR
+        return None
+
+    def rate(self, arm: int, b: int) -> float:
+        """Expected tokens per AR-step-time of an arm at bucket ``b`` (AR = 1)."""
+        if arm == AR:
+            return 1.0
+        ratio = self._cost_ratio(arm, b)
+        return 0.0 if ratio is None else self.tokens_per_cycle(arm) / ratio
+
+    def best(self, occupancy: int) -> int:
+        """The arm with the highest expected rate at this occupancy (no exploration, no probes)."""
+        b = self.bucket(occupancy)
+        return max(self.arms, key=lambda a: self.rate(a, b))
+
+    def choose(self, occupancy: int) -> int:
+        """Block size for an iteration over ``occupancy`` rows, or ``AR``."""
         b = self.bucket(occupancy)
         self.decisions += 1
-        ratio = self._cost_ratio(b)
-        if ratio is None:
-            mode = SPEC if (SPEC, b) not in self.cost else AR       # explore the unmeasured one
-        else:
-            best = SPEC if self.tokens_per_cycle > ratio else AR
-            other = AR if best == SPEC else SPEC
-            # a clear winner is re-checked 8x less often: each probe of the loser costs real time
-            clear = abs(self.tokens_per_cycle - ratio) > 0.25 * ratio
-            mode = other if self.decisions % (self.reprobe * (8 if clear else 1)) == 0 else best
-        self.chosen[mode] += 1
-        return mode
+        last = self._last.setdefault(b, {a: self.decisions for a in self.arms})
+        arm = self._unexplored(b)
+        if arm is None:
+            best = self.best(occupancy)
+            probe = self._due_probe(best, b, last)
+            arm = best if probe is None else probe     # (AR is 0: no truthiness tests on arms)
+        self.chosen[arm] += 1
+        last[arm] = self.decisions
+        return arm
 
-    def observe(self, mode: str, occupancy: int, seconds: float, tokens: int = 0, live_rows: int = 0) -> None:
-        """Fold in one iteration's wall time and, for SPEC, the live rows' summed (L + 1)."""
-        key = (mode, self.bucket(occupancy))
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
-        if mode == SPEC and live_rows:
-            self._tokens = self.decay * self._tokens + tokens
-            self._cycles = self.decay * self._cycles + live_rows
+    def _due_probe(self, best: int, b: int, last: dict[int, int]) -> int | None:
+        """A losing arm whose re-check at bucket ``b`` is due. Its interval grows with its cost relative
+        to the winner's (a probe of a slow arm costs that much more) and 8x when it is clearly behind,
+        so probing spends about 1/reprobe of the time on close contenders and far less on the rest."""
+        def cost(a: int) -> float:
+            ratio = None if a == AR else self._cost_ratio(a, b)
+            return 1.0 if ratio is None else ratio
+        for arm in sorted(self.arms, key=lambda a: -self.rate(a, b)):
+            if arm == best:
+                continue
+            behind = self.rate(arm, b) < 0.8 * self.rate(best, b)
+            interval = self.reprobe * max(1.0, cost(arm) / cost(best)) * (8 if behind else 1)
+            if self.decisions - last[arm] >= interval:
+                return arm
+        return None
+
+    def observe(self, arm: int, occupancy: int, seconds: float, tokens: int = 0, live_rows: int = 0) -> None:
+        """Fold in one iteration's wall time and, for a cycle, the live rows' summed (L + 1)."""
+        key = (arm, self.bucket(occupancy))
+        if key not in self._warm:            # the first run of an arm at a bucket pays one-off costs
+            self._warm.add(key)              # (allocation, cold caches, graph capture): not a sample
+        else:
+            old = self.cost.get(key)
+            self.cost[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        if arm != AR and live_rows:
+            self._tokens[arm] = self.decay * self._tokens[arm] + tokens
+            self._cycles[arm] = self.decay * self._cycles[arm] + live_rows

@@ -108,7 +108,7 @@ class EngineConfig(_Section):
     block_size: int | None = Field(None, ge=2, description="Draft block size K; None = the model's.")
     speculative: bool | Literal["auto"] = Field(True, description=(
         "true: self-speculative decoding; false: plain AR on the same engine; 'auto': per iteration, "
-        "whichever is measured faster at the current batch occupancy (never slower than AR by design)."))
+        "the block size (K, K/2, ... 2) or plain AR step measured fastest at the current batch occupancy."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Weights dtype; 'auto' = bfloat16 on GPU, float32 on CPU."))
     max_seq_len: int | None = Field(None, ge=2, description=(

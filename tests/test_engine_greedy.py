@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, SamplingParams
+from orthrus.policy import AR
 from tiny_models import hf_twin, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
@@ -89,11 +90,12 @@ def test_auto_speculation_is_exact_and_reports_both_kinds_of_iteration(model):
     policy = engine.policy
     ar = engine.generate(PROMPTS, params, speculative=False)
     assert [r.token_ids for r in auto] == [r.token_ids for r in ar]
-    assert policy.chosen["spec"] > 0 and policy.chosen["ar"] > 0            # both were measured
+    assert policy.arms == (AR, 4, 2) and all(n > 0 for n in policy.chosen.values())   # every arm measured
     for r in auto + ar:
         s = r.stats
         assert s.num_forward_passes == 1 + 2 * s.num_cycles + s.num_ar_steps
         assert sum(s.accept_length_histogram) == s.num_cycles
+        assert s.num_cycles <= s.num_draft_tokens <= 3 * s.num_cycles      # 1 or 3 drafts per cycle
     assert all(r.stats.num_cycles == 0 and r.stats.tokens_per_cycle == 1.0 for r in ar if r.stats.num_ar_steps)
     with pytest.raises(ValueError, match="speculative"):
         engine.generate(PROMPTS, params, speculative="sometimes")

@@ -74,15 +74,17 @@ def test_padding_buckets_use_free_slots_only():
     assert list(padded[where]) == [4, 1, 3]
 
 
-@pytest.mark.parametrize("speculative", [True, False, "auto"])
+@pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_static_shapes_change_no_token(model, params, speculative):
-    eager = _run(model, params, speculative, static=False, flash=False)
-    if speculative == "auto":   # the policy's choices depend on wall time: compare outputs only
-        eager = [e[:2] for e in eager]
-        assert [s[:2] for s in _run(model, params, speculative, static=True, flash=False)] == eager
-    else:
-        assert _run(model, params, speculative, static=True, flash=False) == eager
+    assert _run(model, params, speculative, static=True, flash=False) == _run(model, params, speculative,
+                                                                              static=False, flash=False)
+
+
+def test_static_shapes_under_auto_stay_exact(model):
+    # auto's choices follow wall time, so only greedy output is comparable run to run
+    got = _run(model, GREEDY, "auto", static=True, flash=False)
+    assert [g[:2] for g in got] == [e[:2] for e in _run(model, GREEDY, False, static=False, flash=False)]
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -108,5 +110,6 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
     traced = torch.compile(engine._device_iteration, backend="eager", fullgraph=True, dynamic=False)
     slots = torch.arange(4)
     with torch.inference_mode():
-        out = traced(engine.state, slots, True, engine.cache.capacity, spec, not all_greedy, all_greedy)
+        k = engine.block_size if spec else 0
+        out = traced(engine.state, slots, True, engine.cache.capacity, k, not all_greedy, all_greedy)
     assert out.shape == (4, (engine.block_size if spec else 1) + 5)

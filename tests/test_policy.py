@@ -1,0 +1,101 @@
+"""speculative="auto": the policy picks the fastest block size (or AR) per occupancy from measurements.
+
+Driven by a simulated device so the checks are deterministic: a cycle of block size k costs
+``overhead + 2 * forward(k * b)`` and an AR step ``overhead + forward(b)``, where a forward over n
+tokens is flat while memory bound and linear once compute bound; tokens per cycle follow a fixed
+per-position acceptance. (The engine-level test in test_engine_greedy.py runs the real thing.)
+"""
+from __future__ import annotations
+
+import pytest
+
+from orthrus.policy import AR, SpeculationPolicy, halving_block_sizes
+
+ACCEPT = [0.83, 0.42, 0.37, 0.21, 0.35, 0.6, 1.0]          # the bundled model's per-position rates
+
+
+def tokens_per_cycle(k: int) -> float:
+    expected, alive = 1.0, 1.0
+    for rate in ACCEPT[: k - 1]:
+        alive *= rate
+        expected += alive
+    return expected
+
+
+def seconds(arm: int, b: int, knee: int = 32) -> float:
+    forward = lambda n: max(1.0, n / knee)                  # noqa: E731 - flat, then linear
+    return 0.2 + (forward(b) if arm == AR else 2 * forward(arm * b))
+
+
+def simulate(policy: SpeculationPolicy, b: int, iterations: int) -> float:
+    """Tokens per simulated second over ``iterations`` decisions at occupancy ``b``."""
+    time = tokens = 0.0
+    for _ in range(iterations):
+        arm = policy.choose(b)
+        t = seconds(arm, b)
+        got = b * (1.0 if arm == AR else tokens_per_cycle(arm))
+        policy.observe(arm, b, t, round(got), b)
+        time, tokens = time + t, tokens + got
+    return tokens / time
+
+
+def best_fixed(b: int) -> tuple[int, float]:
+    rates = {a: (1.0 if a == AR else tokens_per_cycle(a)) * b / seconds(a, b) for a in (AR, 8, 4, 2)}
+    arm = max(rates, key=rates.get)
+    return arm, rates[arm]
+
+
+def test_arms_are_halving_block_sizes():
+    assert halving_block_sizes(8) == (8, 4, 2) and halving_block_sizes(32) == (32, 16, 8, 4, 2)
+    assert halving_block_sizes(3) == (3,) and SpeculationPolicy((8, 4, 2)).arms == (AR, 8, 4, 2)
+    with pytest.raises(ValueError):
+        SpeculationPolicy((1,))
+
+
+def test_explores_each_arm_twice_then_exploits():
+    # twice: the first run of an arm at an occupancy is a warm-up, not a cost sample
+    policy = SpeculationPolicy((8, 4, 2))
+    first = []
+    for _ in range(8):
+        arm = policy.choose(1)
+        first.append(arm)
+        policy.observe(arm, 1, seconds(arm, 1), round(tokens_per_cycle(arm)) if arm else 0, 1)
+    assert first == [8, 8, AR, AR, 4, 4, 2, 2]
+    assert policy.choose(1) == 8 and (8, 1) in policy.cost
+
+
+@pytest.mark.parametrize("b", [1, 4, 8, 16, 64, 256])
+def test_auto_tracks_the_best_arm_and_never_loses_to_ar(b):
+    policy = SpeculationPolicy((8, 4, 2))
+    rate = simulate(policy, b, 3000)
+    arm, best = best_fixed(b)
+    ar_rate = b / seconds(AR, b)
+    assert max(policy.chosen, key=policy.chosen.get) == arm
+    assert rate >= 0.95 * best and rate >= 0.97 * ar_rate, (rate, best, ar_rate)
+
+
+def test_the_choice_moves_with_occupancy():
+    # memory bound: the largest block; compute bound: plain AR; in between, a smaller block
+    assert best_fixed(1)[0] == 8 and best_fixed(256)[0] == AR and best_fixed(8)[0] == 4
+    policy = SpeculationPolicy((8, 4, 2))
+    for b in (1, 8, 256):
+        simulate(policy, b, 600)
+    assert [policy.best(b) for b in (1, 8, 256)] == [8, 4, AR]
+
+
+def test_a_new_occupancy_borrows_ratios_instead_of_probing():
+    policy = SpeculationPolicy((8, 4, 2))
+    simulate(policy, 1, 200)
+    before = dict(policy.chosen)
+    assert [policy.choose(2) for _ in range(20)] == [8] * 20   # bucket 2 unmeasured: bucket 1's ratios decide
+    assert policy.chosen[AR] == before[AR] and (AR, 2) not in policy.cost
+
+
+def test_falling_acceptance_moves_auto_to_ar():
+    policy = SpeculationPolicy((8, 4, 2))
+    simulate(policy, 1, 300)
+    assert policy.best(1) == 8
+    for _ in range(2000):                  # drafts stop being accepted: every cycle yields 1 token
+        arm = policy.choose(1)
+        policy.observe(arm, 1, seconds(arm, 1), 1, 1)
+    assert policy.best(1) == AR
