@@ -169,6 +169,8 @@ def render_table(summary: dict, where: str) -> str:
         f"  this run       {run['rows_generated']} rows, {run['completion_tokens']:,} tokens in "
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",
+        f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s to the first block, then "
+        f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s",
         f"  tokens/cycle   mean per row {_fmt(tpc['mean_per_row'])} | token-weighted "
         f"{_fmt(tpc['token_weighted'])} | pooled {_fmt(tpc['pooled'])} (TPF {_fmt(tpc['tpf_pooled'])})",
         f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "

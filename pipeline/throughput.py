@@ -1,6 +1,7 @@
 """Per-actor throughput of this run, gathered by the driver from the blocks it commits."""
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import pyarrow as pa
@@ -17,6 +18,8 @@ class ThroughputTracker:
         self.seconds: dict[str, float] = defaultdict(float)
         self.gpu_ids: dict[str, str] = {}
         self._calls: set[str] = set()
+        self._first: tuple[float, int] | None = None     # (time, total tokens) at the first block
+        self._last = 0.0
 
     def add(self, batch: pa.Table) -> None:
         """Account one block of generated rows (before it is cast to the output schema)."""
@@ -28,6 +31,19 @@ class ThroughputTracker:
             if call not in self._calls:
                 self._calls.add(call)
                 self.seconds[actor] += secs
+        self._last = time.time()
+        if self._first is None:
+            self._first = (self._last, self.total_tokens)
+
+    def startup_seconds(self, start: float) -> float | None:
+        """Seconds from ``start`` to the first block (actor start, model load, first batch)."""
+        return None if self._first is None else self._first[0] - start
+
+    def steady_tokens_per_second(self) -> float | None:
+        """Tokens/s from the first block to the last: the rate a long job runs at, startup excluded."""
+        if self._first is None or self._last <= self._first[0]:
+            return None
+        return (self.total_tokens - self._first[1]) / (self._last - self._first[0])
 
     @property
     def total_rows(self) -> int:

@@ -294,6 +294,7 @@ def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthr
     assert (summary["mode"], summary["rows_skipped_as_finished"], summary["rows_generated"]) == \
         ("local", len(done), 48 - len(done))
     assert summary["placement"] == {"replicas": 1, "gpus_per_replica": 0.0, "cpus_per_replica": 1.0}
+    assert summary["startup_seconds"] > 0
     assert summary["complete"] and not list((out / "_tmp").glob("*.inprogress"))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -252,3 +253,23 @@ def test_acceptance_statistics():
     assert tpc["mean_per_row"] == 2.5 and tpc["pooled"] == 10 / 4 and tpc["token_weighted"] == (32 + 2) / 10
     assert s["speculation"]["accept_length_histogram"] == [2, 0, 0, 2]
     assert s["error_examples"] == [{"id": "c", "error": "x"}]
+
+
+def test_throughput_tracker_separates_startup_from_steady_rate():
+    from pipeline import schema as S
+    from pipeline.throughput import ThroughputTracker
+
+    def block(call: str, tokens: int) -> pa.Table:
+        return pa.table({S.ACTOR: ["a", "a"], S.GPU_IDS: ["", ""], S.CALL_ID: [call, call],
+                         S.CALL_SECONDS: [1.0, 1.0], "num_completion_tokens": [tokens, tokens]})
+
+    tracker = ThroughputTracker()
+    start = time.time()
+    assert tracker.startup_seconds(start) is None and tracker.steady_tokens_per_second() is None
+    time.sleep(0.2)
+    tracker.add(block("c1", 50))                        # the first block's tokens are startup's
+    time.sleep(0.2)
+    tracker.add(block("c2", 10))
+    assert tracker.startup_seconds(start) >= 0.2
+    assert 20 / 0.5 < tracker.steady_tokens_per_second() <= 20 / 0.2
+    assert tracker.report()[0]["busy_seconds"] == 2.0 and tracker.total_tokens == 120

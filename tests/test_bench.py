@@ -1,0 +1,26 @@
+"""jobs/bench.py runs end to end on a small setting and reports every field the README quotes.
+
+Speed itself is never asserted (machines are shared and noisy); this guards the benchmark's shape.
+"""
+from __future__ import annotations
+
+import json
+
+from jobs import bench
+
+
+def test_bench_reports_ratios_split_and_plot(tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(["--batch-sizes", "1,2", "--reps", "1", "--max-new-tokens", "8", "--min-rows", "3",
+                "--no-job", "--threads", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"1", "2"} and out.with_suffix(".png").stat().st_size > 0
+    for cells in report["results"].values():
+        assert set(cells) >= {"orthrus", "auto", "ar", "hf", "cycle_over_ar_step", "engine"}
+        assert cells["engine"] == {"attention": "sdpa", "cuda_graphs": False}
+        orthrus = cells["orthrus"]
+        assert orthrus["tokens"] > 0 and orthrus["vs_ar"] > 0 and orthrus["vs_hf"] > 0
+        assert orthrus["draft_s"] > 0 and orthrus["verify_s"] > 0 and orthrus["tpf"] == orthrus["tokens_per_cycle"] / 2
+        assert cells["ar"]["draft_s"] == 0 and cells["ar"]["tokens_per_cycle"] == 1.0
+        # every mode generated the same number of tokens from the same prompts (greedy, same stops)
+        assert orthrus["tokens"] == cells["ar"]["tokens"] == cells["hf"]["tokens"]
