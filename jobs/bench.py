@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus.syncs import count_host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
 
@@ -178,10 +179,20 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
         cycle = cells["orthrus"]["seconds"] / max(1, cells["orthrus"]["tokens"] / cells["orthrus"]["tokens_per_cycle"])
         step = cells["ar"]["seconds"] / max(1, cells["ar"]["tokens"])
         cells["cycle_over_ar_step"] = cycle / step
-    cells["engine"] = {"attention": engine.attention, "cuda_graphs": engine.static_shapes and args.device == "cuda"}
+    cells["host_reads_per_iteration"] = host_reads_per_iteration(engine, batch_prompts, args.max_new_tokens)
+    cells["engine"] = {"attention": engine.attention, "cuda_graphs": engine.static_shapes and args.device == "cuda",
+                       "kv_cache_mib": sum(t.numel() * t.element_size() for t in engine.cache.k + engine.cache.v) / 2 ** 20}
     if args.device == "cuda":
         cells["engine"]["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
     return cells
+
+
+def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> float:
+    """Device→host reads per decode iteration in one untimed Orthrus run (the budget is 1)."""
+    before = engine.iterations
+    with count_host_reads() as reads:
+        engine.generate(prompts, SamplingParams(max_new_tokens=max_new), speculative=True)
+    return sum(reads.values()) / (engine.iterations - before)
 
 
 def job_vs_engine(args, model, prompts) -> dict:
@@ -273,6 +284,7 @@ def print_row(b: int, cells: dict) -> None:
             parts.append(f"{mode}: {c['tokens_per_s']:.0f} tok/s{extra}{ratio}")
     if "cycle_over_ar_step" in cells:
         parts.append(f"cycle/AR-step={cells['cycle_over_ar_step']:.2f}")
+    parts.append(f"host reads/iteration={cells['host_reads_per_iteration']:g}")
     print(" | ".join(parts), flush=True)
 
 

@@ -74,6 +74,7 @@ class OrthrusEngine:
         self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
         self.policy: SpeculationPolicy | None = None     # created by the first speculative="auto" call
         self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device)
+        self.iterations = 0   # decode iterations (cycles or AR steps over the batch) run so far
 
     def _flash_kernel(self, attention: str, dtype: torch.dtype) -> flash.KVCacheKernel | None:
         why_not = flash.unavailable_reason(self.device, dtype)
@@ -149,6 +150,7 @@ class OrthrusEngine:
             k = policy.choose(len(slots)) if policy else (self.block_size if speculative else AR)
             start = time.perf_counter()
             packed_host = self._iterate(st, slots, book.kv_len(slots), k, *flags)
+            self.iterations += 1
             done, reasons, tokens, live = book.record(slots, packed_host, k)
             if policy:
                 policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)

@@ -17,7 +17,9 @@ def test_bench_reports_ratios_split_and_plot(tmp_path):
     assert set(report["results"]) == {"1", "2"} and out.with_suffix(".png").stat().st_size > 0
     for cells in report["results"].values():
         assert set(cells) >= {"orthrus", "auto", "ar", "hf", "cycle_over_ar_step", "engine"}
-        assert cells["engine"] == {"attention": "sdpa", "cuda_graphs": False}
+        assert cells["engine"]["attention"] == "sdpa" and not cells["engine"]["cuda_graphs"]
+        assert cells["engine"]["kv_cache_mib"] > 0
+        assert cells["host_reads_per_iteration"] == 1
         orthrus = cells["orthrus"]
         assert orthrus["tokens"] > 0 and orthrus["vs_ar"] > 0 and orthrus["vs_hf"] > 0
         assert orthrus["draft_s"] > 0 and orthrus["verify_s"] > 0 and orthrus["tpf"] == orthrus["tokens_per_cycle"] / 2

@@ -1,0 +1,34 @@
+"""The decode loop reads the device exactly once per iteration (the packed result), in every mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orthrus import OrthrusEngine, SamplingParams
+from orthrus.syncs import count_host_reads
+from tiny_models import tiny_model
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17]]
+
+
+def test_counter_sees_hidden_reads_and_restores_torch():
+    t = torch.arange(4)
+    with count_host_reads() as reads:
+        t.sum().item()
+        if t.any():
+            t.tolist()
+        int(t[0])
+    assert reads == {"item": 1, "__bool__": 1, "tolist": 1, "__int__": 1}
+    assert "item" not in torch.Tensor.__dict__ and "__bool__" not in torch.Tensor.__dict__
+
+
+@pytest.mark.parametrize("speculative", [True, False, "auto"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_one_host_read_per_iteration(speculative, static, temperature):
+    engine = OrthrusEngine(tiny_model(seed=2, diff_noise=0.3), max_batch_size=3, static_shapes=static)
+    params = SamplingParams(temperature=temperature, top_k=10, max_new_tokens=16, seed=1)
+    with count_host_reads() as reads:
+        engine.generate(PROMPTS, params, speculative=speculative)
+    assert engine.iterations > 5
+    assert dict(reads) == {"cpu": engine.iterations}
