@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus.attention import BlockBatch
 from orthrus.syncs import count_host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
@@ -187,6 +188,35 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     return cells
 
 
+def forward_profile(model: OrthrusForCausalLM, sizes: list[int], prefix: int = 200,
+                    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32), reps: int = 7) -> dict[str, dict[str, float]]:
+    """Median ms of one AR-view forward + LM head over T new tokens per row at B rows, after a
+    ``prefix``-token context: the cost model under every ratio above (a cycle is two forwards over
+    K tokens plus sampling, an AR step one forward over 1 token)."""
+    dev = next(model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    profile: dict[str, dict[str, float]] = {}
+    for b in sizes:
+        engine = OrthrusEngine(model, max_batch_size=b, max_seq_len=prefix + max(tokens) + 1)
+        engine.cache.lengths.fill_(prefix)
+        row: dict[str, float] = {}
+        for t in tokens:
+            pos = prefix + torch.arange(t, device=dev)[None].expand(b, t)
+            batch, ids = BlockBatch(None, pos, pos + 1, prefix + t), torch.zeros((b, t), dtype=torch.long, device=dev)
+            times = []
+            with torch.inference_mode():
+                for _ in range(reps + 1):
+                    sync()
+                    start = time.perf_counter()
+                    model.logits(model.forward_cached(ids, engine.cache, batch, diffusion=False))
+                    sync()
+                    times.append(time.perf_counter() - start)
+            row[str(t)] = 1000 * statistics.median(times[1:])
+        profile[str(b)] = row
+        print(f"forward ms at B={b}: " + "  ".join(f"T={t}: {ms:.2f}" for t, ms in row.items()), flush=True)
+    return profile
+
+
 def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> float:
     """Device→host reads per decode iteration in one untimed Orthrus run (the budget is 1)."""
     before = engine.iterations
@@ -235,10 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m for m in args.modes.split(",") if m]
     hf = None
     if "hf" in modes:
-        hf = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype).to(args.device).eval()
+        with torch.device(args.device):    # built in place: a 1.7B model initialised on the host is slow
+            hf = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype).eval()
         hf.load_state_dict({k: v for k, v in model.state_dict().items() if "_diff." not in k}, strict=False)
     report = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "block_size": args.block_size or model.block_size, "reps": args.reps, "results": {}}
+    report["forward_ms"] = forward_profile(model, sizes)
     for b in sizes:
         report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
         print_row(b, report["results"][b])

@@ -40,11 +40,11 @@ class SpeculationPolicy:
     """Chooses the next iteration's block size (``AR`` = 0 for a plain step) from measured costs."""
 
     def __init__(self, block_sizes: Sequence[int], alpha: float = 0.2, reprobe: int = 32,
-                 prior_tokens_per_cycle: float = 2.0, decay: float = 0.97) -> None:
+                 prior_tokens_per_cycle: float = 2.0, decay: float = 0.97, margin: float = 0.05) -> None:
         if not block_sizes or min(block_sizes) < 2:
             raise ValueError(f"block sizes must be >= 2, got {tuple(block_sizes)}")
         self.arms: tuple[int, ...] = (AR, *sorted(set(block_sizes), reverse=True))
-        self.alpha, self.reprobe, self.decay = alpha, reprobe, decay
+        self.alpha, self.reprobe, self.decay, self.margin = alpha, reprobe, decay, margin
         self.cost: dict[tuple[int, int], float] = {}
         self._warm: set[tuple[int, int]] = set()
         # decayed sums of (L + 1) and of live row-cycles, per block size
@@ -87,9 +87,12 @@ class SpeculationPolicy:
         return 0.0 if ratio is None else self.tokens_per_cycle(arm) / ratio
 
     def best(self, occupancy: int) -> int:
-        """The arm with the highest expected rate at this occupancy (no exploration, no probes)."""
+        """The arm with the highest expected rate at this occupancy (no exploration, no probes).
+        A block size must beat AR by ``margin``: AR is the baseline auto promises not to lose to, and
+        on a shared machine cost estimates move by several percent from one measurement to the next."""
         b = self.bucket(occupancy)
-        return max(self.arms, key=lambda a: self.rate(a, b))
+        spec = max(self.arms[1:], key=lambda a: self.rate(a, b))
+        return spec if self.rate(spec, b) > 1.0 + self.margin else AR
 
     def choose(self, occupancy: int) -> int:
         """Block size for an iteration over ``occupancy`` rows, or ``AR``."""

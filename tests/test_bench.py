@@ -15,6 +15,7 @@ def test_bench_reports_ratios_split_and_plot(tmp_path):
                 "--no-job", "--threads", "1", "--out", str(out)])
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"1", "2"} and out.with_suffix(".png").stat().st_size > 0
+    assert set(report["forward_ms"]) == {"1", "2"} and all(ms > 0 for ms in report["forward_ms"]["2"].values())
     for cells in report["results"].values():
         assert set(cells) >= {"orthrus", "auto", "ar", "hf", "cycle_over_ar_step", "engine"}
         assert cells["engine"]["attention"] == "sdpa" and not cells["engine"]["cuda_graphs"]
