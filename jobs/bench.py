@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=None, help="draft block size K (default: the model's)")
     ap.add_argument("--min-rows", type=int, default=16,
                     help="prompts per run: max(B, this); more than B flow through the B slots (continuous batching)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="bench.json")

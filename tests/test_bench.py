@@ -5,14 +5,18 @@ Speed itself is never asserted (machines are shared and noisy); this guards the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from jobs import bench
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL, SHARDS = str(REPO / "models" / "tiny-orthrus-py"), str(REPO / "examples" / "shards")
 
 
 def test_bench_reports_ratios_split_and_plot(tmp_path):
     out = tmp_path / "bench.json"
     bench.main(["--batch-sizes", "1,2", "--reps", "1", "--max-new-tokens", "8", "--min-rows", "3",
-                "--no-job", "--threads", "1", "--out", str(out)])
+                "--no-job", "--threads", "1", "--out", str(out), "--model", MODEL, "--prompts", SHARDS])
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"1", "2"} and out.with_suffix(".png").stat().st_size > 0
     assert set(report["forward_ms"]) == {"1", "2"} and all(ms > 0 for ms in report["forward_ms"]["2"].values())
@@ -27,3 +31,10 @@ def test_bench_reports_ratios_split_and_plot(tmp_path):
         assert cells["ar"]["draft_s"] == 0 and cells["ar"]["tokens_per_cycle"] == 1.0
         # every mode generated the same number of tokens from the same prompts (greedy, same stops)
         assert orthrus["tokens"] == cells["ar"]["tokens"] == cells["hf"]["tokens"]
+
+
+def test_gpu_check_script_runs_its_exactness_part_on_cpu():
+    from jobs import gpu_check
+    report = gpu_check.exactness(MODEL, SHARDS, device="cpu", n=6, max_new=12)
+    assert report["fp32_greedy_graphs_equal_eager"] and report["fp32_sampled_graphs_equal_eager"]
+    assert report["flash"].startswith("not run: ")
