@@ -13,6 +13,8 @@ block written at that row's offset.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -29,7 +31,7 @@ class RaggedKVCache:
         self.capacity = capacity
         # The kernel that appends to and reads this cache: None = write() + read() + SDPA with a mask;
         # else a flash_attn_with_kvcache-compatible function (see flash.py), set by the engine.
-        self.flash_kernel = None
+        self.flash_kernel: Callable[..., torch.Tensor] | None = None
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor) -> None:
