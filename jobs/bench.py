@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash"],
                     help="KV-cache attention kernel (auto = flash when importable on CUDA)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="on CUDA, replay each steady-state iteration as a captured graph")
+                    help="on CUDA with flash, replay each steady-state iteration as a captured graph")
     return ap.parse_args(argv)
 
 
@@ -155,7 +155,7 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
     engine = OrthrusEngine(model, max_batch_size=b, block_size=args.block_size,
                            max_seq_len=min(1024, model.config.max_position_embeddings), attention=args.attention,
-                           static_shapes=args.device == "cuda" and args.cuda_graphs)
+                           static_shapes=None if args.cuda_graphs else False)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timer = ForwardTimer(model, enabled=not engine.static_shapes)

@@ -26,8 +26,19 @@ from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, flash
 
 def _tokens(model, prompts, params, **engine_kwargs) -> list[list[int]]:
     engine = OrthrusEngine(model, max_batch_size=8, max_seq_len=512, **engine_kwargs)
-    engine.generate(prompts[:8], params)                    # warm-up: captures the graphs
+    warm = params if isinstance(params, SamplingParams) else params[:8]
+    engine.generate(prompts[:8], warm)                      # warm-up: captures the graphs
     return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
+    """Share of identical rows, and where the first differing row departs. On a GPU, float32 is
+    not bit-stable across batch shapes (cuBLAS picks kernels by shape), so a rare late
+    divergence is expected; an early one in most rows is a bug."""
+    diverge = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+               for a, b in zip(got, want) if a != b]
+    return {"rows_equal": sum(a == b for a, b in zip(got, want)) / len(want),
+            "first_divergence_at_token": min(diverge) if diverge else None}
 
 
 def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, max_new: int = 64) -> dict:
@@ -40,14 +51,14 @@ def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, ma
                          ("sampled", [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=max_new, seed=i)
                                       for i in range(len(prompts))])):
         eager = _tokens(model, prompts, params, attention="sdpa", static_shapes=False)
-        graphs = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)
-        report[f"fp32_{name}_graphs_equal_eager"] = graphs == eager
+        graphs = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)   # SDPA graphs: forced
+        report[f"fp32_{name}_graphs_vs_eager"] = _agreement(graphs, eager)
     if flash.unavailable_reason(torch.device(device), torch.bfloat16) is None:
         half = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device=device)
         params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
         eager = _tokens(half, prompts, params, attention="sdpa", static_shapes=False)
         fast = _tokens(half, prompts, params, attention="flash", static_shapes=True)
-        report["bf16_greedy_flash_graphs_rows_equal_eager"] = sum(a == b for a, b in zip(fast, eager)) / len(eager)
+        report["bf16_greedy_flash_graphs_vs_eager"] = _agreement(fast, eager)
     else:
         report["flash"] = f"not run: {flash.unavailable_reason(torch.device(device), torch.bfloat16)}"
     return report

@@ -94,6 +94,17 @@ def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slot
     st.alive[slots] = reason == RUNNING
 
 
+def _write_offsets(cache: RaggedKVCache, st: SlotState, slots: torch.Tensor) -> torch.Tensor:
+    """Where each row's block goes: its committed length, or 0 for a dead row.
+
+    A row that ended near the context limit keeps a length up to ``max_seq_len - 2 + K``; run again
+    as padding of a static batch (``graphs.py``), a block written there would pass the slot's
+    capacity (and, through flash's strided view, land in the next head or slot). Dead rows write
+    into the start of their own slot instead, which nobody reads until a prefill overwrites it.
+    """
+    return cache.lengths[slots] * st.alive[slots]
+
+
 def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: torch.Tensor,
             n_acc: torch.Tensor, nxt: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     """Apply one cycle's outcome to live rows (crop = length update) and pack it for the host."""
@@ -118,7 +129,7 @@ def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: Ragg
                       filtered: bool, all_greedy: bool, max_seq_len: int) -> torch.Tensor:
     """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``."""
     b = slots.shape[0]
-    n = cache.lengths[slots]                                                  # [b]
+    n = _write_offsets(cache, st, slots)                                      # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
     view_slots = None if all_slots else slots
     draft_view = BlockBatch(view_slots, pos, (n + k)[:, None].expand(b, k), kv_len, causal=False)
@@ -146,7 +157,7 @@ def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: Ragg
 def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
             all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool, max_seq_len: int) -> torch.Tensor:
     """One plain AR step (our baseline) on the same cache and bookkeeping."""
-    n = cache.lengths[slots]
+    n = _write_offsets(cache, st, slots)
     pos = n[:, None]                                                          # [b, 1]
     view = BlockBatch(None if all_slots else slots, pos, pos + 1, kv_len)
     hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False)

@@ -40,7 +40,7 @@ class OrthrusEngine:
     KV-cache kernel, per-row lengths, no mask) or "auto" (flash where it can run: CUDA, fp16/bf16,
     ``flash_attn`` importable). ``static_shapes``: pad every iteration to a bucket of rows over the
     whole cache, so that each is captured once as a CUDA graph and replayed (``graphs.py``); None =
-    on for CUDA. On CPU it runs the same static path without capture (for tests).
+    on for CUDA with flash. On CPU it runs the same static path without capture (for tests).
     """
 
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
@@ -69,7 +69,10 @@ class OrthrusEngine:
                                    self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
         self.cache.flash_kernel = self._flash_kernel(attention, param.dtype)
         self.attention = "sdpa" if self.cache.flash_kernel is None else "flash"
-        self.static_shapes = self.device.type == "cuda" if static_shapes is None else bool(static_shapes)
+        # Static shapes pay off with flash, which reads only each row's own length; with SDPA every
+        # forward would mask (and, below B rows, gather) the whole capacity, so it is opt-in there.
+        default_static = self.device.type == "cuda" and self.attention == "flash"
+        self.static_shapes = default_static if static_shapes is None else bool(static_shapes)
         self.graphs = CycleGraphs(self.device)
         self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
         self.policy: SpeculationPolicy | None = None     # created by the first speculative="auto" call

@@ -20,6 +20,7 @@ capture needs; capture then records the same work without running it, so no stat
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -47,12 +48,14 @@ class CycleGraphs:
         self.capture = device.type == "cuda"
         self.device = device
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.eager_only: set[GraphKey] = set()
         self.slot_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # rows -> (host, device)
         self.pool = None
 
     def clear(self) -> None:
         """Forget every graph (the tensors they captured were reallocated)."""
         self.graphs.clear()
+        self.eager_only.clear()
         self.pool = None
 
     def _slots(self, padded: np.ndarray) -> torch.Tensor:
@@ -75,16 +78,25 @@ class CycleGraphs:
             graph, out = entry
             graph.replay()
             return out
-        if not self.capture:
+        if not self.capture or key in self.eager_only:
             return fn(slots)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):        # warm-up off the default stream, as capture requires
             result = fn(slots)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        self._capture(key, slots, fn)
+        return result
+
+    def _capture(self, key: GraphKey, slots: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Record ``fn`` as this key's graph; a key whose capture fails runs eagerly from then on."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(slots)                  # recorded, not run
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(slots)              # recorded, not run: no state moves
+        except RuntimeError as err:          # e.g. a custom proposer that syncs: slower, still exact
+            warnings.warn(f"CUDA graph capture failed for {key}; running it eagerly: {err}", stacklevel=3)
+            self.eager_only.add(key)
+            return
         self.pool = graph.pool()
         self.graphs[key] = (graph, out)
-        return result

@@ -12,13 +12,14 @@ K, K/2, K/4, … ≥ 2. Per occupancy bucket we measure each arm and pick the hi
     rate(AR) = 1 / t_ar(b)          rate(k) = tokens_per_cycle(k) / t_cycle(k, b)
 
 Costs are wall-clock per loop iteration (device work + the one sync), kept as the median of the
-last ``window`` samples, so that one slow outlier on a shared machine cannot lock a choice in (the
-first run of an arm at a bucket is a warm-up, not a sample), and compared as ratios to the AR step
-of the same bucket. A bucket where an arm is not measured yet borrows that arm's cost ratio from
-the nearest bucket where it is (costs scale together), so exploring a new occupancy does not cost
-slow probes. Losing arms are re-probed every ``reprobe`` decisions or less often — in proportion
-to how much slower a probe of them is than the winner, and 8× less when they are clearly behind —
-so a change in acceptance or load is noticed at a bounded price; AR, the cheapest check and the
+last ``window`` samples once there are ``min_samples``, so that one slow outlier on a shared
+machine cannot lock a choice in (the first run of an arm at a bucket is a warm-up, not a sample:
+on a GPU it includes the graph capture), and compared as ratios to the AR step of the same bucket.
+A bucket where an arm is not measured yet borrows that arm's cost ratio from the nearest bucket
+where it is (costs scale together), so exploring a new occupancy does not cost slow probes.
+Losing arms are re-probed every ``reprobe`` decisions or less often — in proportion to how much
+slower a probe of them is than the winner, 8× less when they are clearly behind, at most 16× less
+— so a change in acceptance or load is noticed at a bounded price; AR, the cheapest check and the
 anchor of every ratio, is re-measured every ``reprobe`` decisions while a block size wins.
 Acceptance per arm is a decayed ratio of sums over live rows (not a mean of per-cycle means), so
 one unlucky cycle does not flip the decision.
@@ -44,12 +45,13 @@ def halving_block_sizes(block_size: int) -> tuple[int, ...]:
 class SpeculationPolicy:
     """Chooses the next iteration's block size (``AR`` = 0 for a plain step) from measured costs."""
 
-    def __init__(self, block_sizes: Sequence[int], window: int = 9, reprobe: int = 64,
+    def __init__(self, block_sizes: Sequence[int], window: int = 9, min_samples: int = 3, reprobe: int = 64,
                  prior_tokens_per_cycle: float = 2.0, decay: float = 0.97, margin: float = 0.05) -> None:
         if not block_sizes or min(block_sizes) < 2:
             raise ValueError(f"block sizes must be >= 2, got {tuple(block_sizes)}")
         self.arms: tuple[int, ...] = (AR, *sorted(set(block_sizes), reverse=True))
-        self.window, self.reprobe, self.decay, self.margin = window, reprobe, decay, margin
+        self.window, self.min_samples, self.reprobe = window, min_samples, reprobe
+        self.decay, self.margin = decay, margin
         self.cost: dict[tuple[int, int], float] = {}           # median of the recent samples
         self._samples: dict[tuple[int, int], deque[float]] = {}
         # decayed sums of (L + 1) and of live row-cycles, per block size
@@ -127,7 +129,7 @@ class SpeculationPolicy:
                 interval = self.reprobe
             else:
                 behind = self.rate(arm, b) < 0.8 * self.rate(best, b)
-                interval = self.reprobe * max(1.0, cost(arm) / cost(best)) * (8 if behind else 1)
+                interval = self.reprobe * min(16.0, max(1.0, cost(arm) / cost(best)) * (8 if behind else 1))
             if self.decisions - last[arm] >= interval:
                 return arm
         return None
@@ -139,7 +141,8 @@ class SpeculationPolicy:
             self._samples[key] = deque(maxlen=self.window)   # (allocation, cold caches, graph capture)
         else:
             self._samples[key].append(seconds)
-            self.cost[key] = statistics.median(self._samples[key])
+            if len(self._samples[key]) >= self.min_samples:   # a ratio never rests on one sample
+                self.cost[key] = statistics.median(self._samples[key])
         if arm != AR and live_rows:
             self._tokens[arm] = self.decay * self._tokens[arm] + tokens
             self._cycles[arm] = self.decay * self._cycles[arm] + live_rows

@@ -119,8 +119,8 @@ class EngineConfig(_Section):
         "per-row lengths (needs GPU replicas, bf16/fp16 and the flash-attn package); 'sdpa' = PyTorch "
         "SDPA with a ragged mask; 'auto' = flash where it can run, sdpa elsewhere."))
     cuda_graphs: bool = Field(True, description=(
-        "On GPU replicas, pad each decode iteration to static shapes and replay it as a captured "
-        "CUDA graph (one launch per cycle). Ignored on CPU."))
+        "On GPU replicas using the flash kernel, pad each decode iteration to static shapes and replay "
+        "it as a captured CUDA graph (one launch per cycle). Ignored on CPU and with SDPA."))
 
     @model_validator(mode="after")
     def _flash_needs_half_precision(self) -> "EngineConfig":

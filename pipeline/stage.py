@@ -68,7 +68,7 @@ class GenerationStage:
         self.engine = OrthrusEngine(model, max_batch_size=plan.engine.max_batch_size,
                                     block_size=plan.engine.block_size, max_seq_len=plan.engine.max_seq_len,
                                     attention=plan.engine.attention,
-                                    static_shapes=plan.engine.cuda_graphs and self.device == "cuda")
+                                    static_shapes=None if plan.engine.cuda_graphs else False)
         self.stop_ids = set(self.engine.eos_token_ids) | set(plan.sampling.stop_token_ids)
         self.tokenizer = load_tokenizer(model_dir)
         self.actor, self.gpu_ids = _actor_identity()

@@ -113,3 +113,16 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
         k = engine.block_size if spec else 0
         out = traced(engine.state, slots, True, engine.cache.capacity, k, not all_greedy, all_greedy)
     assert out.shape == (4, (engine.block_size if spec else 1) + 5)
+
+
+def test_dead_padding_rows_never_write_past_their_slot():
+    """Rows that end at the context limit leave lengths near capacity; as padding they must not
+    write past it (an IndexError here, a silent write into the next head/slot through flash)."""
+    m = tiny_model(seed=0, block_size=4)
+    with torch.no_grad():
+        m.lm_head.weight.zero_()           # every logit ties: argmax 0 in both views, every draft accepted
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2], [1, 2], [1, 2]]
+    runs = [OrthrusEngine(m, max_batch_size=4, max_seq_len=16, static_shapes=static, attention="sdpa")
+            .generate(prompts, SamplingParams(max_new_tokens=100)) for static in (False, True)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert [len(r.token_ids) for r in runs[1]] == [10, 14, 14, 14]      # every row to the context limit
