@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job-config", default="examples/demo.yaml")
     ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash"],
                     help="KV-cache attention kernel (auto = flash when importable on CUDA)")
-    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="on CUDA with flash, replay each steady-state iteration as a captured graph")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     return ap.parse_args(argv)
 
 
@@ -155,7 +155,7 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
     engine = OrthrusEngine(model, max_batch_size=b, block_size=args.block_size,
                            max_seq_len=min(1024, model.config.max_position_embeddings), attention=args.attention,
-                           static_shapes=None if args.cuda_graphs else False)
+                           static_shapes=args.cuda_graphs if args.device == "cuda" else False)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timer = ForwardTimer(model, enabled=not engine.static_shapes)

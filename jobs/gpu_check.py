@@ -7,7 +7,8 @@
    for token. With flash-attn importable, the same in bf16 for flash + graphs vs eager SDPA, reported
    as the share of identical rows (bf16 reductions of different shapes may flip near-ties; DESIGN §3).
 2. ``jobs.bench --device cuda``: bf16 Qwen3-1.7B-shaped random weights, K = 32, B ∈ {1, 8, 32, 128},
-   cycle time ÷ AR step time, written to ``<out>/bench-cuda.json`` and its plot.
+   cycle time ÷ AR step time, written to ``<out>/bench-cuda.json`` and its plot (without flash-attn,
+   also SDPA + CUDA graphs at B ∈ {1, 8}: ``bench-cuda-sdpa-graphs.json``).
 """
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
     if not args.skip_bench:
         bench.main(["--device", "cuda", "--no-job", "--reps", "3", "--out", str(out / "bench-cuda.json")])
+        if flash.kernel() is None:   # graphs are opt-in with SDPA: measure what they buy at small B
+            bench.main(["--device", "cuda", "--no-job", "--reps", "3", "--cuda-graphs", "--batch-sizes", "1,8",
+                        "--modes", "orthrus,ar", "--out", str(out / "bench-cuda-sdpa-graphs.json")])
 
 
 if __name__ == "__main__":
