@@ -85,12 +85,12 @@ class SlotBook:
 
     def harvest(self, slot: int, reason: int, seed: int) -> tuple[int, GenerationResult]:
         """Free a finished slot → (row, result)."""
-        # SYNC: none — the .tolist() calls below convert host numpy, once per finished row
         row, c, a = int(self.row[slot]), int(self.cycles[slot]), int(self.ar_steps[slot])
+        hist = self.hist[slot].tolist()  # SYNC: none — host numpy, once per finished row
+        tokens = self.tokens[slot, : self.count[slot]].tolist()  # SYNC: none — host numpy, once per finished row
         stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
-                         num_accepted_draft_tokens=int(self.accepted[slot]),
-                         accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a)
-        # SYNC: none — numpy buffers already on the host; lists for the public result type
-        result = GenerationResult(self.tokens[slot, : self.count[slot]].tolist(), REASONS[reason], seed, stats)
+                         num_accepted_draft_tokens=int(self.accepted[slot]), accept_length_histogram=hist,
+                         num_ar_steps=a)
+        result = GenerationResult(tokens, REASONS[reason], seed, stats)
         self.row[slot] = -1
         return row, result

@@ -109,8 +109,8 @@ def save_checkpoint(model: "OrthrusForCausalLM", path: str, dtype: torch.dtype |
     config.block_size = model.block_size
     config.mask_token_id = model.mask_token_id
     config.save_pretrained(str(root))
-    # SYNC: saving only (never in the decode loop): tensors come to the host to be written
-    state = {k: v.detach().to(dtype=dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.cpu() for k, v in state.items()}  # SYNC: saving only, never in the decode loop
     config.dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

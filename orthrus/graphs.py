@@ -26,12 +26,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from orthrus.policy import SpeculationPolicy
+
 GraphKey = tuple[int, int, bool, bool]   # (block size or 0 = AR step, rows, filtered, all_greedy)
 
 
 def bucket(occupancy: int, num_slots: int) -> int:
-    """Rows a static iteration runs for ``occupancy`` live slots: the next power of two, capped."""
-    return min(num_slots, 1 << max(0, int(np.ceil(np.log2(max(occupancy, 1))))))
+    """Rows a static iteration runs for ``occupancy`` live slots: the policy's bucket, capped."""
+    return min(num_slots, SpeculationPolicy.bucket(occupancy))
 
 
 def pad_slots(occupied: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,8 @@
 """Counting device→host reads, so "one host sync per decode iteration" is a measured number.
 
-Each read below blocks the host until the device has caught up (``.item()``, ``.tolist()``,
-``.cpu()``, and Python's ``bool``/``int``/``float``/index conversions of a tensor, as in
-``if t.any():``). The decode loop's budget is one per iteration — the packed result in
+Each read below blocks the host until the device has caught up (the tensor methods ``item``,
+``tolist`` and ``cpu``, and Python's ``bool``/``int``/``float``/index conversions of a tensor, as
+in ``if t.any():``). The decode loop's budget is one per iteration — the packed result in
 ``engine.py`` — and the tests and the benchmark check it with this counter. On a CPU nothing
 actually waits, but the same calls are counted: they are the places that would sync on a GPU. It patches
 ``torch.Tensor`` for the duration of the ``with`` block only: a profiling tool, not for serving.
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-# (``.numpy()`` is not here: it only accepts host tensors, so the sync is the ``.cpu()`` before it.)
+# (``numpy`` is not here: it only accepts host tensors, so the sync is the ``cpu`` call before it.)
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
 
