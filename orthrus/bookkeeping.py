@@ -1,96 +1,109 @@
-"""Host side of decoding: which prompt sits in which slot, output tokens and statistics (numpy).
+"""Host side of decoding: the slot table (which request sits in which slot), output tokens and
+per-slot statistics, in numpy.
 
-Updated once per cycle from the packed device result with vectorised numpy; Python loops run only
-over rows that are admitted or finished (events), never over all rows every cycle.
+Updated once per iteration from the packed device result with vectorised numpy; Python loops run
+only over requests that are admitted or finished (events) and over rows that have stop strings,
+never over all rows every iteration. The book lives as long as the engine: slots are refilled as
+requests finish.
 """
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
-from orthrus.decode import LENGTH, RUNNING, STOP
-from orthrus.params import GenerationResult, RowStats
-
-REASONS = {STOP: "stop", LENGTH: "length"}
+from orthrus.packed import Packed
+from orthrus.params import RowStats
+from orthrus.requests import FinishReason, Request
 
 
 class SlotBook:
-    """Slots ↔ rows, per-slot output buffers and counters for one ``generate`` call."""
+    """Slots ↔ requests, per-slot output buffers ``[B, capacity]`` and counters."""
 
-    def __init__(self, num_slots: int, num_rows: int, width: int, capacity: int) -> None:
+    def __init__(self, num_slots: int, width: int, capacity: int) -> None:
         self.width = width
-        self.pending: deque[int] = deque(range(num_rows))
-        self.row = np.full(num_slots, -1, dtype=np.int64)          # -1 = free slot
+        self.requests: list[Request | None] = [None] * num_slots
+        self.busy_mask = np.zeros(num_slots, dtype=bool)
         self.tokens = np.zeros((num_slots, capacity + width + 1), dtype=np.int64)
         self.count = np.zeros(num_slots, dtype=np.int64)           # generated tokens so far
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
+        self.greedy = np.zeros(num_slots, dtype=bool)
+        self.filtered = np.zeros(num_slots, dtype=bool)            # sampled with top-k or top-p
+        self.has_stops = np.zeros(num_slots, dtype=bool)           # has stop strings to scan for
         self.cycles = np.zeros(num_slots, dtype=np.int64)
         self.accepted = np.zeros(num_slots, dtype=np.int64)
         self.drafted = np.zeros(num_slots, dtype=np.int64)
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
 
-    def busy(self) -> bool:
-        """Rows are waiting or still decoding."""
-        return bool(self.pending) or bool((self.row >= 0).any())
-
-    def admit(self, prompt_lens: list[int]) -> tuple[np.ndarray, list[int]]:
-        """Assign pending rows to free slots → (slots, rows)."""
-        free = np.flatnonzero(self.row < 0)[: len(self.pending)]
-        rows = [self.pending.popleft() for _ in range(len(free))]
-        self.row[free] = rows
-        self.count[free] = 0
-        self.cycles[free] = 0
-        self.accepted[free] = 0
-        self.drafted[free] = 0
-        self.ar_steps[free] = 0
-        self.hist[free] = 0
-        self.prompt_len[free] = [prompt_lens[r] for r in rows]
-        return free, rows
+    def free_slots(self) -> np.ndarray:
+        """Empty slots, ascending."""
+        return np.flatnonzero(~self.busy_mask)
 
     def occupied(self) -> np.ndarray:
-        """Slots holding a row, ascending."""
-        return np.flatnonzero(self.row >= 0)
+        """Slots holding a request, ascending."""
+        return np.flatnonzero(self.busy_mask)
+
+    def flags(self, slots: np.ndarray) -> tuple[bool, bool]:
+        """(filtered, all_greedy) of these rows: the sampling fast paths an iteration may take."""
+        return bool(self.filtered[slots].any()), bool(self.greedy[slots].all())
+
+    def admit(self, slots: np.ndarray, requests: list[Request]) -> None:
+        """Seat ``requests`` in ``slots`` with fresh counters."""
+        for slot, req in zip(slots.tolist(), requests):
+            self.requests[slot] = req
+            req.slot = slot
+        self.busy_mask[slots] = True
+        for arr in (self.count, self.cycles, self.accepted, self.drafted, self.ar_steps, self.hist):
+            arr[slots] = 0
+        self.prompt_len[slots] = [len(r.prompt) for r in requests]
+        self.greedy[slots] = [r.params.greedy for r in requests]
+        self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
+                                for r in requests]
+        self.has_stops[slots] = [bool(r.params.stop) for r in requests]
 
     def kv_len(self, slots: np.ndarray) -> int:
         """Host-known bound on keys a block at these slots can see (no device read needed)."""
         committed = self.prompt_len[slots] + np.maximum(self.count[slots] - 1, 0)
         return int(committed.max()) + self.width
 
-    def record(self, slots: np.ndarray, packed: np.ndarray, block_size: int
-               ) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """Fold one iteration's packed result in (``block_size`` 0 = an AR step) → (finished slots,
-        their reasons, sum of L+1 over live rows, number of live rows)."""
-        w = packed.shape[1] - 5
-        emitted, n_emit, n_acc, reason, alive, first = (packed[:, :w], packed[:, w], packed[:, w + 1],
-                                                       packed[:, w + 2], packed[:, w + 3], packed[:, w + 4])
-        new = first >= 0
-        self.tokens[slots[new], 0] = first[new]
+    def record(self, slots: np.ndarray, out: Packed, block_size: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Fold one iteration in (``block_size`` 0 = an AR step) → (finished slots, their reason codes,
+        sum of L+1 over live rows, number of live rows)."""
+        new = out.first >= 0
+        self.tokens[slots[new], 0] = out.first[new]
         self.count[slots[new]] = 1
+        w = out.emitted.shape[1]
         cols = self.count[slots][:, None] + np.arange(w)[None, :]
-        keep = np.arange(w)[None, :] < n_emit[:, None]
-        self.tokens[np.broadcast_to(slots[:, None], cols.shape)[keep], cols[keep]] = emitted[keep]
-        self.count[slots] += n_emit
-        live = alive.astype(bool)
+        keep = np.arange(w)[None, :] < out.n_emit[:, None]
+        self.tokens[np.broadcast_to(slots[:, None], cols.shape)[keep], cols[keep]] = out.emitted[keep]
+        self.count[slots] += out.n_emit
+        live = out.alive
+        ended = out.reason != FinishReason.RUNNING
         if not block_size:
-            self.ar_steps[slots] += alive
-            return slots[reason != RUNNING], reason[reason != RUNNING], int(live.sum()), int(live.sum())
-        self.cycles[slots] += alive
-        self.drafted[slots] += alive * (block_size - 1)
-        self.accepted[slots] += n_acc
-        np.add.at(self.hist, (slots[live], n_acc[live]), 1)
-        tokens = int(n_acc[live].sum() + live.sum())
-        return slots[reason != RUNNING], reason[reason != RUNNING], tokens, int(live.sum())
+            self.ar_steps[slots] += live
+            return slots[ended], out.reason[ended], int(live.sum()), int(live.sum())
+        self.cycles[slots] += live
+        self.drafted[slots] += live * (block_size - 1)
+        self.accepted[slots] += out.n_acc
+        np.add.at(self.hist, (slots[live], out.n_acc[live]), 1)
+        return slots[ended], out.reason[ended], int(out.n_acc[live].sum() + live.sum()), int(live.sum())
 
-    def harvest(self, slot: int, reason: int, seed: int) -> tuple[int, GenerationResult]:
-        """Free a finished slot → (row, result)."""
-        row, c, a = int(self.row[slot]), int(self.cycles[slot]), int(self.ar_steps[slot])
-        hist = self.hist[slot].tolist()  # SYNC: none — host numpy, once per finished row
-        tokens = self.tokens[slot, : self.count[slot]].tolist()  # SYNC: none — host numpy, once per finished row
+    def generated(self, slot: int) -> np.ndarray:
+        """The slot's generated tokens so far (a view)."""
+        return self.tokens[slot, : self.count[slot]]
+
+    def release(self, slot: int, keep: int | None = None) -> tuple[Request, list[int], RowStats]:
+        """Free ``slot`` → (its request, its first ``keep`` tokens (all by default), its stats)."""
+        req = self.requests[slot]
+        assert req is not None, f"slot {slot} is empty"
+        count = int(self.count[slot])
+        keep = count if keep is None else keep
+        c, a = int(self.cycles[slot]), int(self.ar_steps[slot])
         stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
-                         num_accepted_draft_tokens=int(self.accepted[slot]), accept_length_histogram=hist,
-                         num_ar_steps=a)
-        result = GenerationResult(tokens, REASONS[reason], seed, stats)
-        self.row[slot] = -1
-        return row, result
+                         num_accepted_draft_tokens=int(self.accepted[slot]),
+                         accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a,
+                         num_tokens_after_stop=count - keep)
+        tokens = self.tokens[slot, :keep].tolist()
+        self.requests[slot] = None
+        self.busy_mask[slot] = False
+        req.slot = -1
+        return req, tokens, stats

@@ -49,6 +49,12 @@ class RaggedKVCache:
             return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
         return self.k[layer][slots, :, :kv_len], self.v[layer][slots, :, :kv_len]
 
+    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy the first ``length`` positions of slots ``src [n]`` into slots ``dst [n]`` (shared prefill)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
     def reset(self) -> None:
         """Forget every row (buffers are not cleared: stale K/V is masked by ``lengths``)."""
         self.lengths.zero_()

@@ -2,13 +2,11 @@
 
 Everything here is batched tensor code over the rows of one forward (``b`` of the ``B`` slots);
 nothing reads a value back to the host. The host loop (``engine.py``) does one transfer per cycle
-of the packed result these functions return.
-
-Packed result per row (int64): ``[emitted (W) | n_emit | L | reason | alive_before | first]`` where
-W is the block size (1 for AR), ``reason`` is RUNNING/STOP/LENGTH and ``first`` is the token
-sampled at prefill (-1 when the row was not just admitted).
+of the packed result these functions return (its layout: ``packed.py``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,10 +14,12 @@ from orthrus import rng
 from orthrus.attention import BlockBatch
 from orthrus.cache import RaggedKVCache
 from orthrus.model import OrthrusForCausalLM
+from orthrus.packed import pack
 from orthrus.proposer import Proposer
+from orthrus.requests import FinishReason
 from orthrus.sampling import SamplingTensors, accept, greedy_accept, process, sample
 
-RUNNING, STOP, LENGTH = 0, 1, 2
+RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
 
 class SlotState:
@@ -35,6 +35,14 @@ class SlotState:
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float64), z(torch.float64) + 1
         self.greedy, self.alive = z(torch.bool), z(torch.bool)
         self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
+
+    def widen(self, stop_width: int) -> None:
+        """Room for ``stop_width`` stop ids per slot, keeping every slot's current ones."""
+        old = self.stop_ids
+        if stop_width <= old.shape[1]:
+            return
+        self.stop_ids = torch.full((old.shape[0], stop_width), -1, dtype=torch.long, device=old.device)
+        self.stop_ids[:, : old.shape[1]] = old
 
     def reset(self) -> None:
         """Every slot empty and dead, in place (a prefill sets all of a slot's fields)."""
@@ -71,22 +79,42 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
     return first_end + 1, reason
 
 
-def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
-            prompts: torch.Tensor, lens: torch.Tensor, filtered: bool, all_greedy: bool, max_seq_len: int) -> None:
-    """AR-prefill right-padded ``prompts [b, T]`` into ``slots`` and sample each row's first anchor."""
-    b, t = prompts.shape
-    pos = torch.arange(t, device=prompts.device)[None, :].expand(b, t)       # [b, T]
-    batch = BlockBatch(slots=slots, positions=pos, key_limit=pos + 1, kv_len=t)
-    hidden = model.forward_cached(prompts, cache, batch, diffusion=False)    # [b, T, E]
-    last = hidden[torch.arange(b, device=prompts.device), lens - 1]          # [b, E]
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Rows admitted in one step, on the device. ``slots [b]`` are the admitted slots and ``source [b]``
+    the distinct prompt each holds (``u <= b``): prompt ``i`` of ``prompts [u, T]`` (right-padded,
+    true lengths ``lens [u]``) is computed once, into slot ``owners[i]``, and its K/V copied from
+    ``copy_from`` to ``copy_to`` (the other slots holding it)."""
+
+    slots: torch.Tensor
+    prompts: torch.Tensor
+    lens: torch.Tensor
+    source: torch.Tensor
+    owners: torch.Tensor
+    copy_from: torch.Tensor
+    copy_to: torch.Tensor
+
+
+def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, pb: PrefillBatch,
+            filtered: bool, all_greedy: bool, max_seq_len: int) -> None:
+    """AR-prefill each distinct prompt once and sample every admitted row's first anchor from its own seed."""
+    slots, prompts = pb.slots, pb.prompts
+    u, t = prompts.shape
+    pos = torch.arange(t, device=prompts.device)[None, :].expand(u, t)       # [u, T]
+    batch = BlockBatch(slots=pb.owners, positions=pos, key_limit=pos + 1, kv_len=t)
+    hidden = model.forward_cached(prompts, cache, batch, diffusion=False)    # [u, T, E]
+    if pb.copy_to.numel():
+        cache.copy_prefix(pb.copy_from, pb.copy_to, t)
+    row_lens = pb.lens[pb.source]                                            # [b]
+    last = hidden[pb.source, row_lens - 1]                                   # [b, E]
     probs = process(model.logits(last)[:, None], st.sampling(slots, filtered, all_greedy))
-    u = rng.uniforms(st.seed[slots], torch.zeros_like(lens), rng.STREAM_FIRST, 1)
-    first = sample(probs, u)[:, 0]                                           # [b]
-    cache.lengths[slots] = lens
-    st.prompt_len[slots] = lens
+    u_first = rng.uniforms(st.seed[slots], torch.zeros_like(row_lens), rng.STREAM_FIRST, 1)
+    first = sample(probs, u_first)[:, 0]                                     # [b]
+    cache.lengths[slots] = row_lens
+    st.prompt_len[slots] = row_lens
     st.out_count[slots] = 0
     st.counter[slots] = 0
-    n_emit, reason = stop_cut(first[:, None], torch.zeros_like(lens), st, slots, max_seq_len)
+    n_emit, reason = stop_cut(first[:, None], torch.zeros_like(row_lens), st, slots, max_seq_len)
     st.out_count[slots] = n_emit
     st.anchor[slots] = first
     st.first[slots] = first
@@ -120,8 +148,7 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
     st.alive[slots] = alive & (new_reason == RUNNING)
     first = st.first[slots]
     st.first[slots] = -1
-    cols = [n_emit, n_acc * alive, new_reason, alive.long(), first]
-    return torch.cat([emitted, torch.stack(cols, 1)], 1)                      # [b, W + 5]
+    return pack(emitted, n_emit, n_acc * alive, new_reason, alive, first)    # [b, W + 5]
 
 
 def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: RaggedKVCache,

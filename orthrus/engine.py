@@ -1,14 +1,18 @@
-"""OrthrusEngine: batched, ragged, lossless self-speculative generation with continuous refill.
+"""OrthrusEngine: a streaming, batched, ragged, lossless self-speculative generation engine.
 
-The loop (host) per cycle: admit waiting prompts into free slots (one padded prefill), run one
-speculative cycle (or AR step) on the occupied slots, read back ONE packed int tensor, fold it into
-the numpy book, harvest finished rows. Device work lives in ``decode.py``, host bookkeeping in
-``bookkeeping.py``.
+Requests come and go at any time (``add_request`` / ``abort_request``); each ``step`` is one
+iteration: admit waiting requests into free slots (one padded prefill, one per distinct prompt),
+run one speculative cycle (or AR step) on the occupied slots, read back ONE packed int tensor, fold
+it into the numpy slot table, scan the rows that have stop strings, and return the requests that
+finished. ``generate`` is add + step until done. Device work lives in ``decode.py``, host
+bookkeeping in ``bookkeeping.py``, stop strings in ``stop_strings.py``.
 """
 from __future__ import annotations
 
 import secrets
 import time
+import uuid
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,13 +23,17 @@ from orthrus.bookkeeping import SlotBook
 from orthrus.cache import RaggedKVCache
 from orthrus.graphs import CycleGraphs, pad_slots
 from orthrus.model import OrthrusForCausalLM
-from orthrus.params import GenerationResult, SamplingParams
+from orthrus.packed import Packed
+from orthrus.params import RowStats, SamplingParams
 from orthrus.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.proposer import DiffusionProposer, Proposer
+from orthrus.requests import FinishReason, Request, RequestOutput
+from orthrus.stop_strings import StopHit, StopStringScanner
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
 ATTENTION_KERNELS = ("auto", "sdpa", "flash")
+SPECULATIVE_MODES = (True, False, "auto")
 
 
 class OrthrusEngine:
@@ -41,12 +49,19 @@ class OrthrusEngine:
     ``flash_attn`` importable). ``static_shapes``: pad every iteration to a bucket of rows over the
     whole cache, so that each is captured once as a CUDA graph and replayed (``graphs.py``); None =
     on for CUDA with flash. On CPU it runs the same static path without capture (for tests).
+
+    ``speculative``: True (Orthrus cycles of ``block_size``), False (plain AR, the baseline) or
+    ``"auto"`` (per iteration, the block size K, K/2, … or AR step measured fastest at the current
+    occupancy; see ``policy.py``). ``tokenizer``: needed for requests with stop strings.
+
+    Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
     """
 
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
                  max_seq_len: int | None = None, proposer: Proposer | None = None, attention: str = "auto",
-                 static_shapes: bool | None = None) -> None:
+                 static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None) -> None:
         cfg = model.config
+        _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
         self.max_seq_len = int(max_seq_len if max_seq_len is not None
                                else min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
@@ -75,23 +90,28 @@ class OrthrusEngine:
         self.static_shapes = default_static if static_shapes is None else bool(static_shapes)
         self.graphs = CycleGraphs(self.device)
         self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
-        self.policy: SpeculationPolicy | None = None     # created by the first speculative="auto" call
+        self.speculative = speculative
+        # The policy outlives requests: costs are a property of this engine on this device,
+        # acceptance of this model on this workload.
+        self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
+        self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
         self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device)
-        self.iterations = 0   # decode iterations (cycles or AR steps over the batch) run so far
+        self.book = SlotBook(max_batch_size, self.block_size, self.max_seq_len)
+        self._waiting: deque[Request] = deque()
+        self._requests: dict[str, Request] = {}         # every unfinished request, by id
+        self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
+        self._abort_slots: list[int] = []               # slots of running requests aborted, freed next step
+        self._mode: bool | str = speculative            # the mode of the steps now running
+        self.iterations = 0          # decode iterations (cycles or AR steps over the batch) run so far
+        self.prefill_tokens = 0      # prompt tokens computed by prefills (a shared prompt counts once)
+        self._added = 0              # requests added so far (each one's row index for the proposer)
+        self.busy_slot_iterations = 0   # sum over iterations of occupied slots (occupancy = this / iterations / B)
 
     def _flash_kernel(self, attention: str, dtype: torch.dtype) -> flash.KVCacheKernel | None:
         why_not = flash.unavailable_reason(self.device, dtype)
         if attention == "flash" and why_not:
             raise ValueError(f"attention='flash' is unavailable: {why_not}")
         return flash.kernel() if attention != "sdpa" and not why_not else None
-
-    def _state_for(self, stop_width: int) -> decode.SlotState:
-        """The engine's slot state, reset; widened (dropping captured graphs) if a call needs more stops."""
-        if stop_width > self.state.stop_ids.shape[1]:
-            self.state = decode.SlotState(self.max_batch_size, stop_width, self.device)
-            self.graphs.clear()
-        self.state.reset()
-        return self.state
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
@@ -105,6 +125,112 @@ class OrthrusEngine:
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit max_seq_len={self.max_seq_len} "
                              "leaves no room to generate")
+        if params.stop and self.stops is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer: build the engine with OrthrusEngine(..., tokenizer=...)")
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate (``ValueError`` naming the field) and queue a request → its id. Callable at any
+        time, also between steps while other requests decode."""
+        return self._add(prompt_token_ids, params, request_id, row=self._added)
+
+    def _add(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None, row: int) -> str:
+        self.check_request(prompt_token_ids, params)
+        rid = uuid.uuid4().hex if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
+        width = len(self.eos_token_ids) + len(params.stop_token_ids)
+        if width > self.state.stop_ids.shape[1]:
+            self.state.widen(width)
+            self.graphs.clear()               # captured graphs hold the old stop-id buffer
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(rid, [int(t) for t in prompt_token_ids], params, seed, row=row)
+        self._requests[rid] = req
+        self._waiting.append(req)
+        self._added += 1
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """End a waiting or running request; the next ``step`` returns it once, ``finish_reason="abort"``,
+        with the tokens it had, and its slot is free from that step on. Unknown or finished ids: no-op."""
+        req = self._requests.get(request_id)
+        if req is None or req.abort:
+            return
+        req.abort = True
+        if req.slot >= 0:
+            self._abort_slots.append(req.slot)
+        else:
+            self._waiting.remove(req)
+            del self._requests[request_id]
+            self._aborted.append(req.output([], FinishReason.ABORT, None, RowStats(0, 0, 0, 0)))
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests are waiting, decoding, or aborted and not yet returned."""
+        return bool(self._requests) or bool(self._aborted)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return int(self.book.busy_mask.sum())
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration: free aborted slots, admit waiting requests into free slots (one padded
+        prefill), one cycle or AR step over the occupied slots → the requests that finished in it.
+
+        If the device work raises, every unfinished request is dropped (the engine is reset to
+        empty, usable again) and :class:`EngineStepError` names them; its cause is the original error.
+        """
+        finished, self._aborted = self._aborted, []
+        try:
+            finished += self._release_aborted()
+            if self._waiting and not self.book.busy_mask.all():
+                self._admit()
+            slots = self.book.occupied()
+            if len(slots):
+                finished += self._decode(slots)
+        except Exception as err:
+            lost = [rid for rid in self._requests]
+            self.reset()
+            raise EngineStepError(lost, err) from err
+        return finished
+
+    def reset(self) -> None:
+        """Drop every request and empty every slot (nothing is returned for them)."""
+        self._waiting.clear()
+        self._requests.clear()
+        self._aborted.clear()
+        self._abort_slots.clear()
+        self.book = SlotBook(self.max_batch_size, self.block_size, self.max_seq_len)
+        self.state.reset()
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 speculative: bool | str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt on an idle engine (add + step until done); results in prompt order.
+
+        ``speculative`` overrides the engine's mode for this call (None = the engine's).
+        """
+        mode = self.speculative if speculative is None else speculative
+        _check_mode(mode)
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() needs an idle engine; this one has unfinished requests (use step())")
+        plist = self._validate(prompts, params)
+        ids = [self._add(p, sp, None, row=i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        done: dict[str, RequestOutput] = {}
+        self._mode = mode
+        try:
+            while self.has_unfinished_requests():
+                done.update((o.request_id, o) for o in self.step())
+        finally:
+            self._mode = self.speculative
+        return [done[i] for i in ids]
 
     def _validate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                   ) -> list[SamplingParams]:
@@ -120,47 +246,66 @@ class OrthrusEngine:
                 raise ValueError(f"prompt {i}: {e}") from None
         return plist
 
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 speculative: bool | str = True) -> list[GenerationResult]:
-        """Generate for every prompt; results come back in prompt order.
+    def _release_aborted(self) -> list[RequestOutput]:
+        """Free the slots of running requests that were aborted; mark them dead on the device."""
+        slots, self._abort_slots = self._abort_slots, []
+        if not slots:
+            return []
+        self.state.alive[torch.as_tensor(slots, device=self.device)] = False
+        return [self._output(slot, FinishReason.ABORT, None) for slot in slots]
 
-        ``speculative``: True (Orthrus cycles of ``block_size``), False (plain AR, the baseline) or
-        ``"auto"`` (per iteration, the block size K, K/2, … or AR step measured fastest at the current
-        occupancy; see ``policy.py``).
-        """
-        if speculative not in (True, False, "auto"):
-            raise ValueError(f"speculative must be True, False or 'auto', got {speculative!r}")
-        plist = self._validate(prompts, params)
-        seeds = [p.seed if p.seed is not None else secrets.randbits(63) for p in plist]
-        stop_width = len(self.eos_token_ids) + max(len(p.stop_token_ids) for p in plist)
-        st = self._state_for(stop_width)
-        flags = (any(p.top_k > 0 or p.top_p < 1 for p in plist if not p.greedy), all(p.greedy for p in plist))
-        book = SlotBook(self.max_batch_size, len(prompts), self.block_size, max(p.max_new_tokens for p in plist))
-        # The policy outlives a call: costs are a property of this engine on this device, acceptance
-        # of this model on this workload, and a batch job calls generate once per batch.
-        if speculative == "auto" and self.policy is None:
+    def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
+        """Free ``slot`` and build its request's output."""
+        req, tokens, stats = self.book.release(slot, hit.keep if hit else None)
+        del self._requests[req.request_id]
+        if hit is not None:
+            return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text)
+        stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
+        return req.output(tokens, reason, stop_reason, stats)
+
+    def _decode(self, slots: np.ndarray) -> list[RequestOutput]:
+        """One cycle (or AR step) over the occupied ``slots`` → the requests that finished in it."""
+        filtered, all_greedy = self.book.flags(slots)
+        if self._mode == "auto" and self.policy is None:
             self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
-        policy = self.policy if speculative == "auto" else None
-        lens = [len(p) for p in prompts]
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        self.cache.reset()
-        while book.busy():
-            if book.pending and (book.row < 0).any():
-                slots, rows = book.admit(lens)
-                self._prefill(st, slots, rows, prompts, plist, seeds, *flags)
-            slots = book.occupied()
-            k = policy.choose(len(slots)) if policy else (self.block_size if speculative else AR)
-            start = time.perf_counter()
-            packed_host = self._iterate(st, slots, book.kv_len(slots), k, *flags)
-            self.iterations += 1
-            done, reasons, tokens, live = book.record(slots, packed_host, k)
-            if policy:
-                policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
-            for slot, reason in zip(done, reasons):
-                row, res = book.harvest(int(slot), int(reason), seeds[book.row[slot]])
-                results[row] = res
-        return results  # type: ignore[return-value]
+        policy = self.policy if self._mode == "auto" else None
+        k = policy.choose(len(slots)) if policy else (self.block_size if self._mode else AR)
+        start = time.perf_counter()
+        out = Packed.unpack(self._iterate(self.state, slots, self.book.kv_len(slots), k, filtered, all_greedy))
+        self.iterations += 1
+        self.busy_slot_iterations += len(slots)
+        done, reasons, tokens, live = self.book.record(slots, out, k)
+        if policy:
+            policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
+        ended = dict(zip(done.tolist(), reasons.tolist()))
+        hits = self._scan_stops(slots)
+        cut = [s for s in hits if s not in ended]
+        if cut:   # rows whose stop string ended them while the device still thinks they run
+            self.state.alive[torch.as_tensor(cut, device=self.device)] = False
+        return [self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
+                for s in sorted(set(ended) | set(hits))]
+
+    def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
+        """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
+        hits: dict[int, StopHit] = {}
+        for slot in slots[self.book.has_stops[slots]].tolist():
+            req, tokens = self.book.requests[slot], self.book.generated(slot)
+            if len(tokens) > req.scanned:
+                hit = self.stops.scan(tokens, req.scanned, req.params.stop)
+                req.scanned = len(tokens)
+                if hit is not None:
+                    hits[slot] = hit
+        return hits
+
+    def _admit(self) -> None:
+        """Seat waiting requests in free slots (FIFO) and prefill them."""
+        free = self.book.free_slots()[: len(self._waiting)]
+        reqs = [self._waiting.popleft() for _ in range(len(free))]
+        now = time.perf_counter()
+        for r in reqs:
+            r.admitted = now
+        self.book.admit(free, reqs)
+        self._prefill(free, reqs)
 
     def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
                  all_greedy: bool) -> np.ndarray:
@@ -185,29 +330,47 @@ class OrthrusEngine:
         return decode.ar_step(self.model, self.cache, st, slots_t, all_slots, kv_len, filtered, all_greedy,
                               self.max_seq_len)
 
-    def _prefill(self, st: decode.SlotState, slots: np.ndarray, rows: list[int],
-                 prompts: Sequence[Sequence[int]], plist: list[SamplingParams], seeds: list[int],
-                 filtered: bool, all_greedy: bool) -> None:
-        """Load admitted rows' parameters into their slots and prefill them in one padded batch."""
-        dev = self.device
-        ps = [plist[r] for r in rows]
-        slots_t = torch.as_tensor(slots, device=dev)
-        t = max(len(prompts[r]) for r in rows)
-        padded = torch.zeros((len(rows), t), dtype=torch.long)
-        for i, r in enumerate(rows):
-            padded[i, : len(prompts[r])] = torch.as_tensor(list(prompts[r]), dtype=torch.long)
-        stops = torch.full((len(rows), st.stop_ids.shape[1]), -1, dtype=torch.long)
-        for i, p in enumerate(ps):
-            ids = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
+    def _prefill(self, slots: np.ndarray, reqs: list[Request]) -> None:
+        """Load admitted requests' parameters into their slots and prefill each distinct prompt once."""
+        dev, st = self.device, self.state
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in reqs]
+        owners = [int(slots[source.index(i)]) for i in range(len(distinct))]
+        copies = [(owners[s], int(slot)) for s, slot in zip(source, slots) if owners[s] != slot]
+        t = max(len(p) for p in distinct)
+        padded = torch.zeros((len(distinct), t), dtype=torch.long)                 # [u, T]
+        for i, p in enumerate(distinct):
+            padded[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        stops = torch.full((len(reqs), st.stop_ids.shape[1]), -1, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids = sorted(set(self.eos_token_ids) | set(r.params.stop_token_ids))
             stops[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        ps = [r.params for r in reqs]
+        slots_t = torch.as_tensor(slots, device=dev)
         st.stop_ids[slots_t] = stops.to(dev)
-        st.row[slots_t] = torch.as_tensor(rows, device=dev)
-        st.seed[slots_t] = torch.as_tensor([seeds[r] for r in rows], device=dev)
+        st.row[slots_t] = torch.as_tensor([r.row for r in reqs], device=dev)
+        st.seed[slots_t] = torch.as_tensor([r.seed for r in reqs], device=dev)
         st.max_new[slots_t] = torch.as_tensor([p.max_new_tokens for p in ps], device=dev)
         st.temperature[slots_t] = torch.as_tensor([float(p.temperature) for p in ps], dtype=torch.float64, device=dev)
         st.top_p[slots_t] = torch.as_tensor([float(p.top_p) for p in ps], dtype=torch.float64, device=dev)
         st.top_k[slots_t] = torch.as_tensor([p.top_k for p in ps], device=dev)
         st.greedy[slots_t] = torch.as_tensor([p.greedy for p in ps], device=dev)
-        lens = torch.as_tensor([len(prompts[r]) for r in rows], device=dev)
-        decode.prefill(self.model, self.cache, st, slots_t, padded.to(dev), lens, filtered, all_greedy,
-                       self.max_seq_len)
+        long = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        pb = decode.PrefillBatch(slots_t, padded.to(dev), long([len(p) for p in distinct]), long(source),
+                                 long(owners), long([c[0] for c in copies]), long([c[1] for c in copies]))
+        decode.prefill(self.model, self.cache, st, pb, *self.book.flags(slots), self.max_seq_len)
+        self.prefill_tokens += sum(len(p) for p in distinct)
+
+
+class EngineStepError(RuntimeError):
+    """A step's device work raised; ``request_ids`` were dropped (the engine was reset to empty)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+def _check_mode(speculative: bool | str) -> None:
+    if speculative not in SPECULATIVE_MODES or not isinstance(speculative, (bool, str)):
+        raise ValueError(f"speculative must be True, False or 'auto', got {speculative!r}")

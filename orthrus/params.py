@@ -22,6 +22,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()       # stop strings; need an engine built with a tokenizer
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -40,6 +41,10 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(t, str) and t and "\ufffd" not in t for t in stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
 
     @property
     def greedy(self) -> bool:
@@ -62,22 +67,19 @@ class RowStats:
     num_accepted_draft_tokens: int
     accept_length_histogram: list[int] = field(default_factory=list)  # [L] = cycles accepting L drafts
     num_ar_steps: int = 0
+    num_tokens_after_stop: int = 0   # decoded past a stop string (at most one block), not returned
 
     @property
     def tokens_per_cycle(self) -> float:
         """Tokens per decode iteration: accepted drafts + 1 per cycle (the acceptance length; TPF is
         half of it), counting an AR step as an iteration of 1 token (1.0 without speculation)."""
-        iterations = self.num_cycles + self.num_ar_steps
-        if iterations == 0:
-            return 0.0
-        return (self.num_accepted_draft_tokens + iterations) / iterations
+        return tokens_per_cycle(self.num_accepted_draft_tokens, self.num_cycles + self.num_ar_steps)
 
 
-@dataclass(frozen=True)
-class GenerationResult:
-    """One row's output: generated ids only (a stop token that ended the row is included)."""
+def tokens_per_cycle(accepted_drafts: float, iterations: float) -> float:
+    """The acceptance length, DESIGN §2.2: (accepted drafts + iterations) / iterations; 0 if none.
 
-    token_ids: list[int]
-    finish_reason: str               # "stop" | "length"
-    seed: int
-    stats: RowStats
+    The one definition used by the engine, the trainer's evaluation, the job summary and the bench
+    (an AR step is an iteration that accepts 0 drafts). TPF = this / 2.
+    """
+    return (accepted_drafts + iterations) / iterations if iterations else 0.0

@@ -6,7 +6,7 @@ import torch
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.policy import AR
-from tiny_models import hf_twin, tiny_model
+from tiny_models import hf_greedy, hf_twin, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
            [24, 25, 26], [27]]
@@ -15,13 +15,6 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], 
 @pytest.fixture(scope="module", params=[0.0, 0.5], ids=["twins=AR", "twins=perturbed"])
 def model(request):
     return tiny_model(seed=1, diff_noise=request.param, scale=4.0)
-
-
-def _hf_greedy(hf, prompt: list[int], max_new: int, eos: tuple[int, ...]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                      eos_token_id=list(eos), pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_ragged_batch_equals_ar_alone_and_hf_generate(model):
@@ -33,7 +26,7 @@ def test_ragged_batch_equals_ar_alone_and_hf_generate(model):
         alone = engine.generate([prompt], params, speculative=False)[0]
         assert got.token_ids == alone.token_ids
         assert got.finish_reason == alone.finish_reason
-        assert got.token_ids == _hf_greedy(hf, prompt, 24, engine.eos_token_ids)
+        assert got.token_ids == hf_greedy(hf, prompt, 24, engine.eos_token_ids)
     assert any(r.finish_reason == "stop" for r in spec) or all(len(r.token_ids) == 24 for r in spec)
 
 

@@ -41,3 +41,11 @@ def hf_twin(model: OrthrusForCausalLM) -> Qwen3ForCausalLM:
     missing, unexpected = hf.load_state_dict(ar_state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     return hf.eval()
+
+
+def hf_greedy(hf: Qwen3ForCausalLM, prompt: list[int], max_new: int, eos: tuple[int, ...]) -> list[int]:
+    """transformers' greedy ``generate`` for one prompt → the generated ids."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                      eos_token_id=list(eos), pad_token_id=0)
+    return out[0, len(prompt):].tolist()

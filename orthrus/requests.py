@@ -1,0 +1,72 @@
+"""Requests of the streaming engine: what a caller submits, the host record of it, and what comes back."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from orthrus.params import RowStats, SamplingParams
+
+
+class FinishReason(IntEnum):
+    """Why a row ended. The device packs RUNNING/STOP/LENGTH as ints; ABORT is host-only."""
+
+    RUNNING = 0
+    STOP = 1      # a stop token (EOS or stop_token_ids) or a stop string
+    LENGTH = 2    # max_new_tokens or the context limit
+    ABORT = 3     # abort_request
+
+    @property
+    def label(self) -> str:
+        """The public name: "stop" | "length" | "abort"."""
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One finished request.
+
+    ``token_ids``: generated ids; a stop token that ended the row is included, a stop string is not
+    (the ids end where the decoded text ends right before it). ``text``: only for rows ended by a
+    stop string, the decoded completion cut exactly before the stop string (a string that starts
+    inside a token keeps that token's earlier characters here). ``stop_reason``: the stop string or
+    stop token id that ended the row, else None.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str               # "stop" | "length" | "abort"
+    stop_reason: str | int | None
+    stats: RowStats
+    seed: int
+    text: str | None = None
+    queue_seconds: float = 0.0       # from add_request to admission into a slot
+    engine_seconds: float = 0.0      # from admission to finish
+
+
+# The result type of ``generate`` (kept for callers of the one-shot API).
+GenerationResult = RequestOutput
+
+
+@dataclass
+class Request:
+    """The engine's host-side record of one request (mutable bookkeeping, never shared)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    slot: int = -1                   # -1 while waiting
+    abort: bool = False              # abort_request was called; freed at the next step
+    scanned: int = 0                 # generated tokens already searched for stop strings
+    row: int = 0                     # index passed to the proposer (the prompt index in generate)
+
+    def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
+               stats: RowStats, text: str | None = None) -> RequestOutput:
+        """This request's result, timed now."""
+        now = time.perf_counter()
+        admitted = self.admitted if self.admitted is not None else now
+        return RequestOutput(self.request_id, token_ids, reason.label, stop_reason, stats, self.seed, text,
+                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted)

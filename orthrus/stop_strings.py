@@ -1,0 +1,63 @@
+"""Stop strings inside the engine: incremental detection, then an exact cut of the row's tokens.
+
+Only rows that have stop strings are detokenized, and only a window of their newest tokens per
+iteration: the tokens added since the last scan plus an overlap long enough to hold any stop string
+that began before them (a character can take up to 4 byte-level tokens, and skipped special tokens
+take none, hence the generous overlap). Text is decoded the way the pipeline decodes completions
+(``skip_special_tokens=True``). When a window holds a stop string, the whole completion is decoded
+once to place the cut exactly.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StopHit:
+    """Where a row's completion ends: its first ``keep`` tokens, the text before the stop, the stop."""
+
+    keep: int
+    text: str
+    stop: str
+
+
+class StopStringScanner:
+    """Detects stop strings in generated tokens with a tokenizer (any HF tokenizer's ``decode``)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Completion text of ``ids``."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def scan(self, tokens: np.ndarray, scanned: int, stops: tuple[str, ...]) -> StopHit | None:
+        """Search ``tokens`` (all generated so far; the first ``scanned`` were searched before)."""
+        overlap = 4 * max(len(s) for s in stops) + 8
+        window = self.decode(tokens[max(0, scanned - overlap):].tolist())
+        if not any(s in window for s in stops):
+            return None
+        return self.cut(tokens, stops)
+
+    def cut(self, tokens: np.ndarray, stops: tuple[str, ...]) -> StopHit | None:
+        """The earliest stop string in the completion and the longest token prefix before it."""
+        ids = tokens.tolist()
+        text = self.decode(ids)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        before = text[:at]
+        lo, hi = 0, len(ids)               # largest prefix whose text stays within `before`
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self.decode(ids[:mid])) <= at:
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo and not before.startswith(self.decode(ids[:lo])):   # a partial character at the end
+            lo -= 1
+        return StopHit(lo, before, stop)
