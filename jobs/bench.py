@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from jobs import bench_job
 from jobs.prompt_ids import load_prompt_ids
-from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.attention import BlockBatch
 from orthrus.syncs import count_host_reads
 
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job", action=argparse.BooleanOptionalAction, default=True,
                     help="also compare the Ray Data job with the bare engine on all prompts (CPU only)")
     ap.add_argument("--job-config", default="examples/demo.yaml")
+    ap.add_argument("--skewed-rows", type=int, default=256,
+                    help="rows of the length-skewed job workload (streaming vs batch-at-a-time vs bare engine)")
     ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash"],
                     help="KV-cache attention kernel (auto = flash when importable on CUDA)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -120,7 +123,7 @@ def run_engine(engine: OrthrusEngine, timer: ForwardTimer, prompts, max_new: int
     tokens = sum(len(r.token_ids) for r in res)
     cycles = sum(r.stats.num_cycles for r in res)
     iters = cycles + sum(r.stats.num_ar_steps for r in res)
-    tpc = (sum(r.stats.num_accepted_draft_tokens for r in res) + iters) / max(iters, 1)
+    tpc = tokens_per_cycle(sum(r.stats.num_accepted_draft_tokens for r in res), iters)
     return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_cycle": tpc,
             "tpf": tpc / 2 if mode == "orthrus" else None, **timer.split(dt)}
 
@@ -225,35 +228,6 @@ def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> fl
     return sum(reads.values()) / (engine.iterations - before)
 
 
-def job_vs_engine(args, model, prompts) -> dict:
-    """The Ray Data job (embedded Ray, demo config, raw prompts, no stop strings) vs the bare engine
-    on the same token ids, slots and sampling: the pipeline's overhead as a throughput ratio."""
-    import subprocess
-    import sys
-    import tempfile
-
-    out = Path(tempfile.mkdtemp(prefix="orthrus-bench-job-")) / "out"
-    sets = ["prompt.chat_template=off", "sampling.stop=[]", f"sampling.max_new_tokens={args.max_new_tokens}",
-            f"output.path={out}", "behaviour.overwrite=true", "engine.speculative=true", f"model.path={args.model}"]
-    cmd = [sys.executable, "-m", "jobs.generate", "--config", args.job_config]
-    for kv in sets:
-        cmd += ["--set", kv]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
-    summary = json.loads((out / "summary.json").read_text())
-    run = summary["run"]
-    slots = int(summary["config"]["engine"]["max_batch_size"])
-    engine = OrthrusEngine(model, max_batch_size=slots)
-    t = time.perf_counter()
-    res = engine.generate(prompts, [SamplingParams(max_new_tokens=args.max_new_tokens, seed=i)
-                                    for i in range(len(prompts))])
-    bare = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
-    steady = run["steady_tokens_per_second"]
-    return {"job_tokens_per_s": run["tokens_per_second"], "job_wall_s": run["wall_seconds"],
-            "job_startup_s": run["startup_seconds"], "job_steady_tokens_per_s": steady,
-            "engine_tokens_per_s": bare, "job_over_engine": run["tokens_per_second"] / bare,
-            "steady_job_over_engine": steady / bare if steady else None, "rows": len(prompts)}
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -275,8 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
         print_row(b, report["results"][b])
     if args.job and args.device == "cpu":
-        report["job_vs_engine"] = job_vs_engine(args, model, prompts)
+        report["job_vs_engine"] = bench_job.job_vs_engine(model, args.model, prompts, args.job_config,
+                                                          args.max_new_tokens)
         print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
+        report["skewed_job"] = bench_job.skewed_job(args.model, args.prompts, args.job_config, args.skewed_rows)
+        print(f"Length-skewed workload, job vs bare engine: {report['skewed_job']}", flush=True)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20

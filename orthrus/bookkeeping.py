@@ -91,8 +91,11 @@ class SlotBook:
         """The slot's generated tokens so far (a view)."""
         return self.tokens[slot, : self.count[slot]]
 
-    def release(self, slot: int, keep: int | None = None) -> tuple[Request, list[int], RowStats]:
-        """Free ``slot`` → (its request, its first ``keep`` tokens (all by default), its stats)."""
+    def release(self, slot: int, keep: int | None = None, end: int | None = None
+                ) -> tuple[Request, list[int], RowStats]:
+        """Free ``slot`` → (its request, its first ``keep`` tokens (all by default), its stats).
+
+        ``end``: tokens up to the one that completed a stop string; those decoded after it are counted."""
         req = self.requests[slot]
         assert req is not None, f"slot {slot} is empty"
         count = int(self.count[slot])
@@ -101,7 +104,7 @@ class SlotBook:
         stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
                          num_accepted_draft_tokens=int(self.accepted[slot]),
                          accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a,
-                         num_tokens_after_stop=count - keep)
+                         num_tokens_after_stop=0 if end is None else count - end)
         tokens = self.tokens[slot, :keep].tolist()
         self.requests[slot] = None
         self.busy_mask[slot] = False

@@ -256,7 +256,7 @@ class OrthrusEngine:
 
     def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
         """Free ``slot`` and build its request's output."""
-        req, tokens, stats = self.book.release(slot, hit.keep if hit else None)
+        req, tokens, stats = self.book.release(slot, *((hit.keep, hit.end) if hit else ()))
         del self._requests[req.request_id]
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text)

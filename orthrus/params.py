@@ -67,7 +67,7 @@ class RowStats:
     num_accepted_draft_tokens: int
     accept_length_histogram: list[int] = field(default_factory=list)  # [L] = cycles accepting L drafts
     num_ar_steps: int = 0
-    num_tokens_after_stop: int = 0   # decoded past a stop string (at most one block), not returned
+    num_tokens_after_stop: int = 0   # decoded after the token completing a stop string (< one block)
 
     @property
     def tokens_per_cycle(self) -> float:

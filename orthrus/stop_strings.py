@@ -17,11 +17,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StopHit:
-    """Where a row's completion ends: its first ``keep`` tokens, the text before the stop, the stop."""
+    """Where a row's completion ends: its first ``keep`` tokens, the text before the stop, the stop,
+    and ``end``, the number of tokens up to the one that completed the stop string."""
 
     keep: int
     text: str
     stop: str
+    end: int
 
 
 class StopStringScanner:
@@ -60,4 +62,11 @@ class StopStringScanner:
                 hi = mid - 1
         while lo and not before.startswith(self.decode(ids[:lo])):   # a partial character at the end
             lo -= 1
-        return StopHit(lo, before, stop)
+        end, hi = lo + 1, len(ids)         # smallest prefix whose text holds the stop string
+        while end < hi:
+            mid = (end + hi) // 2
+            if stop in self.decode(ids[:mid]):
+                hi = mid
+            else:
+                end = mid + 1
+        return StopHit(lo, before, stop, end)

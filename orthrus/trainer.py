@@ -18,7 +18,7 @@ import torch
 
 from orthrus.engine import OrthrusEngine
 from orthrus.model import OrthrusForCausalLM
-from orthrus.params import SamplingParams
+from orthrus.params import SamplingParams, tokens_per_cycle
 from orthrus.training import distill_loss, freeze_all_but_diffusion, sample_anchors
 
 STATE = "train_state.pt"
@@ -56,7 +56,7 @@ def acceptance(model: OrthrusForCausalLM, prompts: list[list[int]], block_size: 
     hist = [sum(col) for col in zip(*(r.stats.accept_length_histogram for r in res))]
     reached = [sum(hist[i:]) for i in range(len(hist))]          # cycles whose draft i-1 was accepted
     per_pos = [reached[i + 1] / reached[i] if reached[i] else 0.0 for i in range(len(hist) - 1)]
-    return {"tokens_per_cycle": (accepted + cycles) / max(cycles, 1), "cycles": cycles,
+    return {"tokens_per_cycle": tokens_per_cycle(accepted, cycles), "cycles": cycles,
             "tokens": sum(len(r.token_ids) for r in res), "block_size": block_size, "temperature": temperature,
             "accept_length_histogram": hist, "per_position_acceptance": [round(x, 4) for x in per_pos]}
 

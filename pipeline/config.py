@@ -76,7 +76,8 @@ class SamplingConfig(_Section):
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     max_new_tokens: int = Field(256, ge=1, description="Most tokens generated per sample.")
     stop: list[str] = Field(default_factory=list, description=(
-        "Stop strings: the completion is cut before the first one (finish_reason 'stop')."))
+        "Stop strings: a row ends inside the engine in the iteration the first one appears, and the "
+        "completion is cut right before it (finish_reason 'stop')."))
     stop_token_ids: list[int] = Field(default_factory=list, description=(
         "Extra token ids that end a sample (the model's EOS ids always do)."))
     n: int = Field(1, ge=1, description="Samples per prompt (sample_index 0 .. n-1).")
@@ -105,6 +106,9 @@ class EngineConfig(_Section):
     max_batch_size: int = Field(8, ge=1, description="Decoding slots per replica (continuous batching).")
     batch_size: int = Field(64, ge=1, description=(
         "Rows handed to one actor call; also the unit of durable progress (one output file each)."))
+    max_concurrent_batches: int = Field(4, ge=1, description=(
+        "Batches each replica holds at once, all feeding its one streaming engine, so its slots stay "
+        "busy across batch boundaries; each batch is still committed on its own when its rows are done."))
     block_size: int | None = Field(None, ge=2, description="Draft block size K; None = the model's.")
     speculative: bool | Literal["auto"] = Field(True, description=(
         "true: self-speculative decoding; false: plain AR on the same engine; 'auto': per iteration, "

@@ -37,8 +37,11 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
                                                  fault_inject=faults)},
         batch_size=config.engine.batch_size,
         batch_format="pyarrow",
-        # One batch running and one queued per actor: enough to hide hand-over, little to redo.
-        compute=ray.data.ActorPoolStrategy(size=placement.replicas, max_tasks_in_flight_per_actor=2),
+        # Several batches in flight per actor, all feeding its one engine: its slots stay busy across
+        # batch boundaries (each batch still returns, and is committed, on its own).
+        compute=ray.data.ActorPoolStrategy(size=placement.replicas,
+                                           max_tasks_in_flight_per_actor=config.engine.max_concurrent_batches,
+                                           max_concurrent_calls_per_actor=config.engine.max_concurrent_batches),
         num_gpus=placement.gpus_per_replica,
         num_cpus=placement.cpus_per_replica,
     )

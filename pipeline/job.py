@@ -71,12 +71,19 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     tracker = ThroughputTracker()
     dataset = build_dataset(config, inputs, finished, placement, stage_cls)
     expected = inputs.num_rows * config.sampling.n
-    for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
-        if batch.num_rows:
-            tracker.add(batch)
-            part = out.commit(to_output_table(batch, schema))
-            echo(f"[orthrus] committed {part.name}: {batch.num_rows} rows "
-                 f"({len(finished) + tracker.total_rows}/{expected} done)")
+    batches = iter(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
+    try:
+        for batch in batches:
+            if batch.num_rows:
+                tracker.add(batch)
+                part = out.commit(to_output_table(batch, schema))
+                echo(f"[orthrus] committed {part.name}: {batch.num_rows} rows "
+                     f"({len(finished) + tracker.total_rows}/{expected} done)")
+    finally:
+        # On an early exit (a failed commit) stop the streaming executor now, while Ray is still up:
+        # left to garbage collection, its threads outlive a later ray.shutdown() and can take the
+        # driver process down with them (seen with several batches in flight per actor).
+        batches.close()
     wall = time.time() - start
     run_info = {
         "run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "rows_expected": expected,
@@ -85,6 +92,8 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
         "tokens_per_second": tracker.total_tokens / wall if wall else None,
         "startup_seconds": tracker.startup_seconds(start),
         "steady_tokens_per_second": tracker.steady_tokens_per_second(),
+        "slot_occupancy": tracker.slot_occupancy()["until_input_ran_out"],
+        "slot_occupancy_whole_run": tracker.slot_occupancy()["whole_run"],
         "placement": {"replicas": placement.replicas, "gpus_per_replica": placement.gpus_per_replica,
                       "cpus_per_replica": placement.cpus_per_replica},
         "actors": tracker.report(),

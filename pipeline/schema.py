@@ -23,6 +23,7 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("num_accepted_draft_tokens", pa.int64()),
     pa.field("tokens_per_cycle", pa.float64()),
     pa.field("accept_length_histogram", pa.list_(pa.int64())),
+    pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion
     pa.field("decode_seconds", pa.float64()),
     pa.field("seed", pa.int64()),
     pa.field("model", pa.string()),
@@ -45,6 +46,8 @@ TOP_P = "__top_p"
 TOP_K = "__top_k"
 MAX_NEW_TOKENS = "__max_new_tokens"
 TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
+STOP_TEXT = "__stop_text"              # engine -> detokenize (completion cut before a stop string)
+OCCUPANCY = "__engine_occupancy"       # generate -> driver (engine counters, see stage._flat)
 ACTOR = "__actor"                      # generate -> driver (per-actor throughput)
 GPU_IDS = "__gpu_ids"
 CALL_ID = "__call_id"

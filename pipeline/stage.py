@@ -1,12 +1,18 @@
-"""GPU stage: a Ray Data callable-class actor holding one Orthrus model and engine.
+"""GPU stage: a Ray Data async callable-class actor holding one Orthrus model and one streaming engine.
 
-The actor loads the model once, then decodes each batch it is handed with the engine's continuous
-batching and detokenizes the result (``postprocess.py``). Per-row failures (the engine's request
-checks) become error rows. An exception from the engine on a batch -- out of memory included --
-splits the batch in halves and retries each half, recursively, so one poison row or one batch too
-big for the device costs a few retries, not the job; a row that still fails alone becomes an error
-row with the message. An actor *process* that dies is restarted by Ray and its batch retried.
-``faults.py`` can simulate the out-of-memory case for tests (off by default).
+The actor loads the model once and steps its engine in its own thread (``engine_loop.py``). Ray Data
+hands the actor several batches at once (``engine.max_concurrent_batches``); each batch adds its
+rows to the engine and awaits them, so the engine's slots stay busy across batch boundaries while a
+batch still returns when its own rows are done (the batch stays the committed unit: exactly-once is
+unchanged). Stop strings end rows inside the engine. Results are detokenized here
+(``postprocess.py``).
+
+Failures: the engine's request checks turn bad rows into error rows. If the engine raises while a
+batch's rows are in it -- out of memory included -- the batch is retried *alone* in the engine,
+then split in halves, recursively; a row that still fails alone becomes an error row with the
+message. So one poison row or one group too big for the device costs a few retries, not the job,
+and rows of other batches are never blamed for it. An actor *process* that dies is restarted by Ray
+and its batches retried. ``faults.py`` can simulate the out-of-memory case for tests (off by default).
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from orthrus import GenerationResult, OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline import schema as S
 from pipeline.config import EngineConfig, ModelConfig, SamplingConfig
+from pipeline.engine_loop import EngineLoop, GroupFailed, Occupancy
 from pipeline.faults import FAULT_ENV, FaultInjector
 from pipeline.model_files import load_tokenizer, resolve_model_dir
 from pipeline.postprocess import detokenize_batch
@@ -65,12 +72,14 @@ class GenerationStage:
         model_dir = resolve_model_dir(plan.model)
         model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device),
                                                    device=self.device)
+        self.tokenizer = load_tokenizer(model_dir)
         self.engine = OrthrusEngine(model, max_batch_size=plan.engine.max_batch_size,
                                     block_size=plan.engine.block_size, max_seq_len=plan.engine.max_seq_len,
                                     attention=plan.engine.attention,
-                                    static_shapes=None if plan.engine.cuda_graphs else False)
+                                    static_shapes=None if plan.engine.cuda_graphs else False,
+                                    speculative=plan.engine.speculative, tokenizer=self.tokenizer)
         self.stop_ids = set(self.engine.eos_token_ids) | set(plan.sampling.stop_token_ids)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.loop = EngineLoop(self.engine)
         self.actor, self.gpu_ids = _actor_identity()
         self.total_tokens, self.total_seconds = 0, 0.0
         self.faults = FaultInjector.parse(plan.fault_inject)
@@ -84,38 +93,50 @@ class GenerationStage:
     def _params(self, batch: pa.Table) -> list[SamplingParams | None]:
         cols = {name: batch[name].to_pylist() for name in
                 (S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS, "seed", "error")}
-        stop = tuple(self.plan.sampling.stop_token_ids)
+        stop_ids, stop = tuple(self.plan.sampling.stop_token_ids), tuple(self.plan.sampling.stop)
         return [None if cols["error"][i] is not None else
                 SamplingParams(temperature=cols[S.TEMPERATURE][i], top_p=cols[S.TOP_P][i], top_k=cols[S.TOP_K][i],
-                               max_new_tokens=cols[S.MAX_NEW_TOKENS][i], seed=cols["seed"][i], stop_token_ids=stop)
+                               max_new_tokens=cols[S.MAX_NEW_TOKENS][i], seed=cols["seed"][i],
+                               stop_token_ids=stop_ids, stop=stop)
                 for i in range(batch.num_rows)]
 
-    def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
-                  ) -> tuple[list[GenerationResult | Exception], list[float]]:
-        """Decode rows together; if the engine raises, split in halves and retry each half.
+    async def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
+                        ) -> list[RequestOutput | Exception]:
+        """Decode rows in the shared engine; if a step fails while they are in it, isolate them."""
+        try:
+            if self.faults:
+                self.faults.before_generate(ids)
+            return await self.loop.run(prompts, params)
+        except Exception as e:  # noqa: BLE001 - narrowed to rows below; torch.OutOfMemoryError is one
+            cause = e.cause if isinstance(e, GroupFailed) else e
+            print(f"[orthrus] actor {self.actor}: {type(cause).__name__} with {len(prompts)} rows of this batch in "
+                  "the engine; retrying them alone", flush=True)
+        return await self._isolate(ids, prompts, params)
 
-        Any exception counts, out of memory included: a batch too big for the device shrinks until
+    async def _isolate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
+                       ) -> list[RequestOutput | Exception]:
+        """Decode rows alone in the engine; if that raises, split in halves and retry each half.
+
+        Any exception counts, out of memory included: a group too big for the device shrinks until
         it fits, and a row that breaks the engine is narrowed down in ~log2(len) rounds and
         returned as its exception (the caller turns it into an error row). Each row's sample
         depends only on its own seed, so a retried row decodes exactly as it would have in the batch.
         """
-        start = time.perf_counter()
         try:
             if self.faults:
                 self.faults.before_generate(ids)
-            results = self.engine.generate(prompts, params, speculative=self.plan.engine.speculative)
-            return list(results), [time.perf_counter() - start] * len(prompts)
-        except Exception as e:  # noqa: BLE001 - narrowed to rows below; torch.OutOfMemoryError is one
+            return await self.loop.run(prompts, params, exclusive=True)
+        except Exception as e:  # noqa: BLE001 - see above
+            cause = e.cause if isinstance(e, GroupFailed) else e
             if self.device == "cuda":
                 torch.cuda.empty_cache()  # give the retry the memory the failed attempt held
             if len(prompts) == 1:
-                return [e], [time.perf_counter() - start]
-            print(f"[orthrus] actor {self.actor}: {type(e).__name__} on {len(prompts)} rows; retrying as "
+                return [cause]
+            print(f"[orthrus] actor {self.actor}: {type(cause).__name__} on {len(prompts)} rows; retrying as "
                   f"{len(prompts) // 2} + {len(prompts) - len(prompts) // 2}", flush=True)
         half = len(prompts) // 2
-        left = self._generate(ids[:half], prompts[:half], params[:half])
-        right = self._generate(ids[half:], prompts[half:], params[half:])
-        return left[0] + right[0], left[1] + right[1]
+        left = await self._isolate(ids[:half], prompts[:half], params[:half])
+        return left + await self._isolate(ids[half:], prompts[half:], params[half:])
 
     def _check(self, prompts: list[list[int]], params: list[SamplingParams | None],
                errors: list[str | None]) -> list[int]:
@@ -137,37 +158,38 @@ class GenerationStage:
             todo.append(i)
         return todo
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        call_start = time.perf_counter()
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        call_start, arrival = time.perf_counter(), self.loop.occupancy()
         errors = batch["error"].to_pylist()
         prompts = batch[S.PROMPT_IDS].to_pylist()
         params = self._params(batch)
         todo = self._check(prompts, params, errors)
-        results: list[GenerationResult | Exception | None] = [None] * batch.num_rows
-        seconds: list[float | None] = [None] * batch.num_rows
+        results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
         if todo:
             ids = batch["id"].to_pylist()
-            out, secs = self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo])
-            for i, r, s in zip(todo, out, secs):
-                results[i], seconds[i] = r, s
+            out = await self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo])
+            for i, r in zip(todo, out):
+                results[i] = r
                 if isinstance(r, Exception):
                     errors[i] = f"decoding failed: {type(r).__name__}: {r}"
-        table = self._assemble(batch, results, seconds, errors, params, time.perf_counter() - call_start)
-        table = detokenize_batch(table, self.tokenizer, tuple(self.plan.sampling.stop))
-        self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, GenerationResult)),
+        seconds = time.perf_counter() - call_start
+        table = self._assemble(batch, results, errors, params, seconds, (arrival, self.loop.occupancy()))
+        table = detokenize_batch(table, self.tokenizer)
+        self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
                   time.perf_counter() - call_start)
         return table
 
-    def _text_ids(self, r: GenerationResult) -> list[int]:
+    def _text_ids(self, r: RequestOutput) -> list[int]:
         """Generated ids minus the stop token that ended the row (it is not part of the text)."""
         ids = list(r.token_ids)
         if r.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
             ids.pop()
         return ids
 
-    def _assemble(self, batch: pa.Table, results: list, seconds: list, errors: list[str | None],
-                  params: list[SamplingParams | None], call_seconds: float) -> pa.Table:
-        ok = [r if isinstance(r, GenerationResult) else None for r in results]
+    def _assemble(self, batch: pa.Table, results: list, errors: list[str | None],
+                  params: list[SamplingParams | None], call_seconds: float,
+                  occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
+        ok = [r if isinstance(r, RequestOutput) else None for r in results]
         stat = lambda name: [getattr(r.stats, name) if r else None for r in ok]  # noqa: E731
         n = batch.num_rows
         cols = {
@@ -181,10 +203,13 @@ class GenerationStage:
             "tokens_per_cycle": (pa.float64(), [float(r.stats.tokens_per_cycle) if r else None for r in ok]),
             "accept_length_histogram": (pa.list_(pa.int64()), [list(r.stats.accept_length_histogram) if r else None
                                                                for r in ok]),
-            "decode_seconds": (pa.float64(), [s if r else None for r, s in zip(ok, seconds)]),
+            "num_tokens_after_stop": (pa.int64(), stat("num_tokens_after_stop")),
+            "decode_seconds": (pa.float64(), [call_seconds if r else None for r in ok]),
             "seed": (pa.int64(), [p.seed if p else s for p, s in zip(params, batch["seed"].to_pylist())]),
             "model": (pa.string(), [self.plan.model.path] * n),
             S.TEXT_IDS: (pa.list_(pa.int32()), [self._text_ids(r) if r else None for r in ok]),
+            S.STOP_TEXT: (pa.string(), [r.text if r else None for r in ok]),
+            S.OCCUPANCY: (pa.list_(pa.int64()), [_flat(occupancy)] * n),
             S.ACTOR: (pa.string(), [self.actor] * n),
             S.GPU_IDS: (pa.string(), [self.gpu_ids] * n),
             S.CALL_ID: (pa.string(), [uuid.uuid4().hex] * n),
@@ -202,3 +227,9 @@ class GenerationStage:
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}]: {rows} rows, {tokens} tokens in "
               f"{seconds:.2f}s = {tokens / max(seconds, 1e-9):.1f} tok/s (actor total {self.total_tokens} "
               f"tokens, {self.total_tokens / max(self.total_seconds, 1e-9):.1f} tok/s)", flush=True)
+
+
+def _flat(occupancy: tuple[Occupancy, Occupancy]) -> list[int]:
+    """Engine counters at a batch's arrival and at its end: [iters, busy slot-iters] x 2 + [slots]."""
+    start, end = occupancy
+    return [start.iterations, start.busy_slot_iterations, end.iterations, end.busy_slot_iterations, end.slots]

@@ -15,12 +15,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from orthrus import tokens_per_cycle
 from pipeline.output import SUMMARY_JSON, SUMMARY_PNG, OutputDir
 from pipeline.schema import key_strings
 
 _STAT_COLUMNS = ["id", "sample_index", "finish_reason", "error", "num_prompt_tokens", "num_completion_tokens", "num_cycles",
                  "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle",
-                 "accept_length_histogram"]
+                 "accept_length_histogram", "num_tokens_after_stop"]
 _PACKAGES = ("orthrus-batch", "torch", "transformers", "ray", "pyarrow", "pydantic", "numpy")
 
 
@@ -74,7 +75,7 @@ def _tokens_per_cycle(ok: pa.Table) -> dict[str, float | None]:
         return {"mean_per_row": None, "token_weighted": None, "pooled": None, "tpf_pooled": None}
     tpc = spec["tokens_per_cycle"].to_numpy()
     weights = spec["num_completion_tokens"].to_numpy().astype(float)
-    pooled = (_sum(spec["num_accepted_draft_tokens"]) + _sum(spec["num_cycles"])) / _sum(spec["num_cycles"])
+    pooled = tokens_per_cycle(_sum(spec["num_accepted_draft_tokens"]), _sum(spec["num_cycles"]))
     return {"mean_per_row": float(tpc.mean()),
             "token_weighted": float((tpc * weights).sum() / weights.sum()) if weights.sum() else None,
             "pooled": pooled, "tpf_pooled": pooled / 2}
@@ -92,7 +93,10 @@ def row_statistics(table: pa.Table) -> dict:
     return {
         "rows": {"total": table.num_rows, "ok": ok.num_rows, "error": table.num_rows - ok.num_rows,
                  "finish_reason": reasons, "duplicate_keys": _duplicates(table)},
-        "tokens": {"prompt": _sum(ok["num_prompt_tokens"]), "completion": _sum(ok["num_completion_tokens"])},
+        "tokens": {"prompt": _sum(ok["num_prompt_tokens"]), "completion": _sum(ok["num_completion_tokens"]),
+                   # decoded past a stop string before the row ended (at most one block per row)
+                   "decoded_after_stop": (_sum(ok["num_tokens_after_stop"])
+                                          if "num_tokens_after_stop" in ok.column_names else None)},
         "speculation": {
             "cycles": _sum(ok["num_cycles"]), "forward_passes": _sum(ok["num_forward_passes"]),
             "draft_tokens": drafts, "accepted_draft_tokens": accepted,
@@ -170,7 +174,8 @@ def render_table(summary: dict, where: str) -> str:
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",
         f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s to the first block, then "
-        f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s",
+        f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s; slots busy "
+        f"{_fmt(run.get('slot_occupancy') and 100 * run['slot_occupancy'], '.0f')}% while input lasted",
         f"  tokens/cycle   mean per row {_fmt(tpc['mean_per_row'])} | token-weighted "
         f"{_fmt(tpc['token_weighted'])} | pooled {_fmt(tpc['pooled'])} (TPF {_fmt(tpc['tpf_pooled'])})",
         f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "

@@ -20,17 +20,20 @@ class ThroughputTracker:
         self._calls: set[str] = set()
         self._first: tuple[float, int] | None = None     # (time, total tokens) at the first block
         self._last = 0.0
+        self._occupancy: dict[str, list[list[int]]] = defaultdict(list)   # per actor call, see stage._flat
 
     def add(self, batch: pa.Table) -> None:
         """Account one block of generated rows (before it is cast to the output schema)."""
-        cols = batch.select([S.ACTOR, S.GPU_IDS, S.CALL_ID, S.CALL_SECONDS, "num_completion_tokens"]).to_pydict()
-        for actor, gpus, call, secs, tokens in zip(*cols.values()):
+        cols = batch.select([S.ACTOR, S.GPU_IDS, S.CALL_ID, S.CALL_SECONDS, "num_completion_tokens",
+                             S.OCCUPANCY]).to_pydict()
+        for actor, gpus, call, secs, tokens, occupancy in zip(*cols.values()):
             self.rows[actor] += 1
             self.tokens[actor] += tokens or 0
             self.gpu_ids[actor] = gpus
             if call not in self._calls:
                 self._calls.add(call)
                 self.seconds[actor] += secs
+                self._occupancy[actor].append(occupancy)
         self._last = time.time()
         if self._first is None:
             self._first = (self._last, self.total_tokens)
@@ -44,6 +47,26 @@ class ThroughputTracker:
         if self._first is None or self._last <= self._first[0]:
             return None
         return (self.total_tokens - self._first[1]) / (self._last - self._first[0])
+
+    def slot_occupancy(self) -> dict[str, float | None]:
+        """Mean fraction of engine slots busy per decode iteration, pooled over actors.
+
+        ``until_input_ran_out``: from each actor's first batch arrival to its last one (while more
+        input kept coming, so every idle slot was a slot the design failed to fill);
+        ``whole_run``: from the first arrival to the last batch's end (includes the final drain).
+        """
+        window = {"until_input_ran_out": [0, 0], "whole_run": [0, 0]}   # [busy slot-iters, slot-iters]
+        for calls in self._occupancy.values():
+            calls = [c for c in calls if c]
+            if not calls:
+                continue
+            first, last = min(calls, key=lambda c: c[0]), max(calls, key=lambda c: c[0])
+            end = max(calls, key=lambda c: c[2])
+            slots = first[4]
+            for name, (iters, busy) in (("until_input_ran_out", (last[0], last[1])), ("whole_run", (end[2], end[3]))):
+                window[name][0] += busy - first[1]
+                window[name][1] += (iters - first[0]) * slots
+        return {name: (busy / total if total else None) for name, (busy, total) in window.items()}
 
     @property
     def total_rows(self) -> int:

@@ -5,6 +5,8 @@ checkpoint. The same inputs also run end to end through Ray in ``test_faults_ray
 """
 from __future__ import annotations
 
+import asyncio
+
 import math
 from pathlib import Path
 
@@ -184,8 +186,8 @@ def test_oom_batches_split_and_retry_and_a_row_failing_alone_is_an_error_row(tmp
     inputs = preflight(cfg).inputs
     batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt,
                                                                              cfg.sampling))
-    clean = {r["id"]: r for r in _stage(cfg)(batch).to_pylist()}
-    faulty = _stage(cfg, "oom_if_batch_gt:2,oom_on_id:r3")(batch).to_pylist()
+    clean = {r["id"]: r for r in asyncio.run(_stage(cfg)(batch)).to_pylist()}
+    faulty = asyncio.run(_stage(cfg, "oom_if_batch_gt:2,oom_on_id:r3")(batch)).to_pylist()
     log = capsys.readouterr().out
     assert "fault injection active" in log and "OutOfMemoryError on 8 rows; retrying as 4 + 4" in log
     assert len(faulty) == batch.num_rows == 9

@@ -5,6 +5,8 @@ and a tiny tmpfs that really fills up (both skipped where this machine cannot mo
 """
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 import pickle
@@ -159,7 +161,7 @@ def test_planted_code_in_checkpoint_is_never_executed(tmp_path, tiny_orthrus_dir
     batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt,
                                                                              cfg.sampling))
     stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
-    row = stage(batch).to_pylist()[0]
+    row = asyncio.run(stage(batch)).to_pylist()[0]
     assert row["error"] is None and row["num_completion_tokens"] >= 1
     assert not marker.exists()
 

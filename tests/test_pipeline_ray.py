@@ -305,8 +305,8 @@ class _DiesOnce:
 
     marker: Path
 
-    def __call__(self, batch):
-        result = super().__call__(batch)
+    async def __call__(self, batch):
+        result = await super().__call__(batch)
         if not self.marker.exists():
             self.marker.write_text(str(os.getpid()))
             os._exit(1)

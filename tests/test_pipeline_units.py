@@ -1,6 +1,8 @@
 """Pipeline pieces without a Ray cluster: preflight, preprocessing, stop strings, output commits, stats."""
 from __future__ import annotations
 
+import asyncio
+
 import json
 import time
 from pathlib import Path
@@ -14,7 +16,8 @@ from pipeline.config import BehaviourConfig, ConfigError, EngineConfig, Resource
 from pipeline.job import preflight
 from pipeline.output import OutputDir
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.postprocess import finish_text
+from pipeline import schema as S
+from pipeline.postprocess import detokenize_batch
 from pipeline.preprocess import PreprocessPlan, derive_seed, preprocess_batch
 from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.stage import GenerationStage, StagePlan
@@ -173,7 +176,7 @@ def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_d
     inputs = preflight(cfg).inputs
     batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
     stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
-    rows = {r["id"]: r for r in stage(batch).to_pylist()}
+    rows = {r["id"]: r for r in asyncio.run(stage(batch)).to_pylist()}
     stop = rows["stop"]  # stopped on its first token: counted, but not part of the text
     assert (stop["finish_reason"], stop["num_completion_tokens"], stop["completion"]) == ("stop", 1, "")
     assert stop["accept_length_histogram"] and stop["model"] == str(tiny_orthrus_dir) and stop["error"] is None
@@ -184,14 +187,15 @@ def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_d
 
 # ---------------------------------------------------------------- detokenize + stop strings
 
-def test_finish_text_applies_stop_strings_and_counts_tokens():
+def test_detokenize_uses_the_engines_stop_text_and_decodes_the_rest():
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    ids = tok("    return x\n\ndef g():\n    pass", add_special_tokens=False)["input_ids"]
-    text, n, reason = finish_text(tok, ids, len(ids), "length", ("\ndef ",))
-    assert text == "    return x\n" and reason == "stop"
-    assert "\ndef " in tok.decode(ids[:n]) and "\ndef " not in tok.decode(ids[: n - 1])
-    assert finish_text(tok, ids, len(ids), "length", ()) == (tok.decode(ids), len(ids), "length")
-    assert finish_text(tok, ids, len(ids) + 1, "stop", ("nope",))[1:] == (len(ids) + 1, "stop")
+    ids = tok("    return x\n\ndef g():", add_special_tokens=False)["input_ids"]
+    batch = pa.table({S.TEXT_IDS: pa.array([ids, ids, None], pa.list_(pa.int32())),
+                      S.STOP_TEXT: ["cut here", None, None], "finish_reason": ["stop", "length", "error"],
+                      "error": [None, None, "boom"]})
+    rows = detokenize_batch(batch, tok).to_pylist()
+    assert [r["completion"] for r in rows] == ["cut here", tok.decode(ids), None]
+    assert [r["error"] for r in rows] == [None, None, "boom"] and S.STOP_TEXT not in rows[0]
 
 
 # ---------------------------------------------------------------- output dir: atomic commits, resume keys
@@ -259,17 +263,21 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     from pipeline import schema as S
     from pipeline.throughput import ThroughputTracker
 
-    def block(call: str, tokens: int) -> pa.Table:
+    def block(call: str, tokens: int, occupancy: list[int]) -> pa.Table:
         return pa.table({S.ACTOR: ["a", "a"], S.GPU_IDS: ["", ""], S.CALL_ID: [call, call],
-                         S.CALL_SECONDS: [1.0, 1.0], "num_completion_tokens": [tokens, tokens]})
+                         S.CALL_SECONDS: [1.0, 1.0], "num_completion_tokens": [tokens, tokens],
+                         S.OCCUPANCY: [occupancy, occupancy]})
 
     tracker = ThroughputTracker()
     start = time.time()
     assert tracker.startup_seconds(start) is None and tracker.steady_tokens_per_second() is None
     time.sleep(0.2)
-    tracker.add(block("c1", 50))                        # the first block's tokens are startup's
+    # engine counters [iterations, busy slot-iterations] at arrival, then at the end, then 4 slots:
+    # 10 iterations with all 4 slots busy between the two arrivals, then a drain at 1 slot busy
+    tracker.add(block("c1", 50, [0, 0, 12, 48, 4]))     # the first block's tokens are startup's
     time.sleep(0.2)
-    tracker.add(block("c2", 10))
+    tracker.add(block("c2", 10, [10, 40, 20, 58, 4]))
     assert tracker.startup_seconds(start) >= 0.2
     assert 20 / 0.5 < tracker.steady_tokens_per_second() <= 20 / 0.2
     assert tracker.report()[0]["busy_seconds"] == 2.0 and tracker.total_tokens == 120
+    assert tracker.slot_occupancy() == {"until_input_ran_out": 1.0, "whole_run": 58 / 80}

@@ -1,0 +1,101 @@
+"""The Ray Data job against the bare engine, on the same rows (part of ``jobs/bench.py``, CPU only).
+
+``skewed_job``: a length-skewed workload (per-row ``max_new_tokens`` spread 8 … 256, stop strings
+that end rows at varied points) run three ways in one go: the bare engine with every row in one
+streaming ``generate``; the Ray Data job with several batches in flight per actor (the streaming
+design); and the same job with one batch at a time (``engine.max_concurrent_batches=1``: the engine
+drains at every batch boundary, the design before the streaming engine). Ratios of steady
+tokens/s (from the first committed block on, so Ray's and the model's start-up are left out) and
+the job's mean slot occupancy are what to read.
+"""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+
+STOPS = ["\ndef ", "\n\n", "return "]
+
+
+def _run_job(config: str, sets: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "jobs.generate", "--config", config]
+    for kv in sets + [f"output.path={out}", "behaviour.overwrite=true"]:
+        cmd += ["--set", kv]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
+    return json.loads((out / "summary.json").read_text())
+
+
+def skewed_rows(prompts_dir: str, rows: int, seed: int = 0) -> pa.Table:
+    """``rows`` held-out prompts (cycled) with per-row ``max_new_tokens`` drawn log-uniformly in 8 … 256."""
+    texts = pads.dataset(prompts_dir, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
+    rnd = random.Random(seed)
+    lengths = [int(round(8 * 32 ** rnd.random())) for _ in range(rows)]
+    return pa.table({"id": [f"s{i}" for i in range(rows)], "prompt": [texts[i % len(texts)] for i in range(rows)],
+                     "max_new_tokens": pa.array(lengths, pa.int64())})
+
+
+def skewed_job(model_path: str, prompts_dir: str, config: str, rows: int = 256) -> dict:
+    """Bare engine vs the streaming job vs the batch-at-a-time job on a length-skewed workload."""
+    from transformers import AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="orthrus-bench-skewed-"))
+    table = skewed_rows(prompts_dir, rows)
+    (tmp / "in").mkdir()
+    pq.write_table(table, tmp / "in" / "rows.parquet")
+    stops = "[" + ", ".join(json.dumps(s) for s in STOPS) + "]"
+    sets = ["prompt.chat_template=off", f"sampling.stop={stops}", "engine.speculative=true",
+            f"input.paths=[{tmp / 'in'}]", f"model.path={model_path}"]
+    report: dict = {"rows": rows, "stops": STOPS, "max_new_tokens": "8..256 log-uniform"}
+    for name, extra in (("streaming", []), ("batch_at_a_time", ["engine.max_concurrent_batches=1"])):
+        summary = _run_job(config, sets + extra, tmp / name)
+        run = summary["run"]
+        report[name] = {"steady_tokens_per_s": run["steady_tokens_per_second"], "wall_s": run["wall_seconds"],
+                        "slot_occupancy": run["slot_occupancy"], "slot_occupancy_whole_run": run["slot_occupancy_whole_run"],
+                        "tokens": run["completion_tokens"], "decoded_after_stop": summary["tokens"]["decoded_after_stop"],
+                        "finish_reason": summary["rows"]["finish_reason"]}
+        slots = int(summary["config"]["engine"]["max_batch_size"])
+    tok = AutoTokenizer.from_pretrained(model_path)
+    engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(model_path), max_batch_size=slots, tokenizer=tok)
+    ids = tok(table["prompt"].to_pylist(), add_special_tokens=False)["input_ids"]
+    params = [SamplingParams(max_new_tokens=n, stop=tuple(STOPS)) for n in table["max_new_tokens"].to_pylist()]
+    t = time.perf_counter()
+    res = engine.generate(ids, params)
+    bare = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
+    report["bare_engine_tokens_per_s"] = bare
+    report["bare_engine_slot_occupancy"] = engine.busy_slot_iterations / (engine.iterations * slots)
+    for name in ("streaming", "batch_at_a_time"):
+        steady = report[name]["steady_tokens_per_s"]
+        report[name]["steady_over_bare_engine"] = steady / bare if steady else None
+    return report
+
+
+def job_vs_engine(model: OrthrusForCausalLM, model_path: str, prompts: list[list[int]], config: str,
+                  max_new_tokens: int) -> dict:
+    """The Ray Data job (embedded Ray, demo config, raw prompts, no stop strings) vs the bare engine
+    on the same token ids, slots and sampling: the pipeline's overhead as a throughput ratio."""
+    out = Path(tempfile.mkdtemp(prefix="orthrus-bench-job-")) / "out"
+    summary = _run_job(config, ["prompt.chat_template=off", "sampling.stop=[]",
+                                f"sampling.max_new_tokens={max_new_tokens}", "engine.speculative=true",
+                                f"model.path={model_path}"], out)
+    run = summary["run"]
+    engine = OrthrusEngine(model, max_batch_size=int(summary["config"]["engine"]["max_batch_size"]))
+    t = time.perf_counter()
+    res = engine.generate(prompts, [SamplingParams(max_new_tokens=max_new_tokens, seed=i)
+                                    for i in range(len(prompts))])
+    bare = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
+    steady = run["steady_tokens_per_second"]
+    return {"job_tokens_per_s": run["tokens_per_second"], "job_wall_s": run["wall_seconds"],
+            "job_startup_s": run["startup_seconds"], "job_steady_tokens_per_s": steady,
+            "engine_tokens_per_s": bare, "job_over_engine": run["tokens_per_second"] / bare,
+            "steady_job_over_engine": steady / bare if steady else None, "rows": len(prompts),
+            "slot_occupancy": run["slot_occupancy"]}

@@ -1,0 +1,181 @@
+"""One engine per actor, stepped in its own thread; the actor's batches submit groups of requests to it.
+
+Why a thread: Ray Data hands an async actor several batches at once (``max_concurrency``), and the
+engine must keep every slot busy across their boundaries. Each batch's coroutine submits its rows
+as a *group* and awaits the group's future; the engine thread adds groups' requests as they come,
+steps while anything is unfinished, and resolves a group's future on the actor's event loop when
+its last request finishes. The engine is touched by this thread only.
+
+Failures: if a step raises, the engine drops every request (``EngineStepError``) and every group
+in it fails with the cause. Such a failure does not say which row was at fault, so the caller
+retries with *exclusive* groups: an exclusive group waits until the engine is empty, runs alone
+(no other group is started meanwhile) and its failure is attributable to its own rows.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from orthrus import EngineStepError, OrthrusEngine, RequestOutput, SamplingParams
+
+
+class GroupFailed(Exception):
+    """A group's requests were dropped because a step raised; ``cause`` is that step's error."""
+
+    def __init__(self, cause: BaseException, alone: bool) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.alone = alone           # True: the group ran alone, so the error is its own
+
+
+@dataclass(eq=False)
+class _Group:
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    exclusive: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Occupancy:
+    """Engine counters, for slot occupancy = busy_slot_iterations / (iterations x slots)."""
+
+    iterations: int
+    busy_slot_iterations: int
+    slots: int
+
+
+class EngineLoop:
+    """Owns ``engine`` and steps it in a daemon thread; ``await run(...)`` decodes one group."""
+
+    def __init__(self, engine: OrthrusEngine) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[_Group] = []
+        self._cancelled: list[_Group] = []
+        self._held: deque[_Group] = deque()        # normal groups waiting for exclusive ones to end
+        self._exclusive: deque[_Group] = deque()
+        self._active: dict[str, _Group] = {}       # request id -> its group, for groups in the engine
+        self._running_exclusive = False
+        self._thread = threading.Thread(target=self._loop, name="orthrus-engine", daemon=True)
+        self._thread.start()
+
+    def occupancy(self) -> Occupancy:
+        """A snapshot of the engine's counters (plain ints; racy reads are fine for statistics)."""
+        e = self.engine
+        return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size)
+
+    async def run(self, prompts: list[list[int]], params: list[SamplingParams],
+                  exclusive: bool = False) -> list[RequestOutput]:
+        """Decode these rows (in the engine with other groups, or alone) → outputs in row order.
+
+        Raises :class:`GroupFailed` if a step failed while they were in the engine.
+        """
+        loop = asyncio.get_running_loop()
+        group = _Group(prompts, params, exclusive, loop, loop.create_future())
+        with self._cv:
+            self._inbox.append(group)
+            self._cv.notify()
+        try:
+            return await group.future
+        except asyncio.CancelledError:       # the batch was cancelled: free its slots
+            with self._cv:
+                self._cancelled.append(group)
+                self._cv.notify()
+            raise
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._cancelled or self._active or self._exclusive or self._held):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                cancelled, self._cancelled = self._cancelled, []
+            for g in cancelled:
+                self._cancel(g)
+            for g in inbox:
+                (self._exclusive if g.exclusive else self._held).append(g)
+            self._start_groups()
+            if self._active:
+                self._step()
+
+    def _start_groups(self) -> None:
+        """Start held groups unless an exclusive one is due; start an exclusive one on an empty engine."""
+        if self._running_exclusive:
+            return
+        if self._exclusive:
+            if not self._active:
+                self._running_exclusive = True
+                self._start(self._exclusive.popleft())
+            return
+        while self._held:
+            self._start(self._held.popleft())
+
+    def _start(self, group: _Group) -> None:
+        try:
+            for prompt, p in zip(group.prompts, group.params):
+                rid = self.engine.add_request(prompt, p)
+                group.ids.append(rid)
+                self._active[rid] = group
+        except Exception as err:  # noqa: BLE001 - the group fails, the loop lives on
+            self._drop(group)
+            self._fail(group, err)
+            return
+        if not group.ids:
+            self._resolve(group)
+
+    def _drop(self, group: _Group) -> None:
+        """Abort a group's requests (their outputs, returned by a later step, are ignored)."""
+        for rid in group.ids:
+            if self._active.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+        if group.exclusive:
+            self._running_exclusive = False
+
+    def _cancel(self, group: _Group) -> None:
+        for queue in (self._held, self._exclusive):
+            if group in queue:
+                queue.remove(group)
+        self._drop(group)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except EngineStepError as err:
+            groups = {id(g): g for g in self._active.values()}.values()
+            self._active.clear()
+            for g in groups:
+                self._fail(g, err.cause)
+            return
+        for out in outputs:
+            group = self._active.pop(out.request_id, None)
+            if group is None:      # a request of a group that failed at start and was aborted
+                continue
+            group.outputs[out.request_id] = out
+            if len(group.outputs) == len(group.ids):
+                self._resolve(group)
+
+    def _resolve(self, group: _Group) -> None:
+        if group.exclusive:
+            self._running_exclusive = False
+        result = [group.outputs[rid] for rid in group.ids]
+        group.loop.call_soon_threadsafe(_set, group.future, result, None)
+
+    def _fail(self, group: _Group, err: BaseException) -> None:
+        if group.exclusive:
+            self._running_exclusive = False
+        group.loop.call_soon_threadsafe(_set, group.future, None, GroupFailed(err, alone=group.exclusive))
+
+
+def _set(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():       # the awaiting coroutine was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
