@@ -23,8 +23,8 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from jobs import bench_job
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
-from orthrus.attention import BlockBatch
-from orthrus.syncs import count_host_reads
+from orthrus.model.attention import BlockBatch
+from orthrus.engine.syncs import count_host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
 

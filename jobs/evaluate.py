@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusForCausalLM
-from orthrus.trainer import acceptance
+from orthrus_train.trainer import acceptance
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orthrus import corpus
+from orthrus_train import corpus
 
 
 def collect(tokenizer_dir: str, max_prompt_tokens: int, max_per_file: int) -> list[dict]:

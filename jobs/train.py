@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusForCausalLM
-from orthrus.trainer import DiffusionTrainer, TrainConfig, acceptance, self_generated_rows
+from orthrus_train.trainer import DiffusionTrainer, TrainConfig, acceptance, self_generated_rows
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_texts(data: str, column: str) -> list[str]:
     """Training documents from the named source (fails naming the path when unreadable)."""
     if data == "stdlib":
-        from orthrus import corpus
+        from orthrus_train import corpus
         train, _ = corpus.split_files(corpus.list_files())
         return list(corpus.iter_texts(train))
     path = Path(data)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from orthrus import corpus
-from orthrus.tokenizer_build import ENDOFTEXT, IM_END, build as build_tokenizer
+from orthrus_train import corpus
+from orthrus_train.tokenizer_build import ENDOFTEXT, IM_END, build as build_tokenizer
 
 TWIN_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
@@ -128,26 +128,22 @@ def evaluate(model, rows: torch.Tensor, batch: int) -> float:
 
 def save_final(model, tok, args: argparse.Namespace, meta: dict) -> None:
     """Write the Orthrus-format directory: bf16 safetensors (+ twins), configs, tokenizer."""
-    from safetensors.torch import save_file
     from transformers import GenerationConfig
 
+    from orthrus.model.checkpoint import write_checkpoint
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    state.pop("lm_head.weight", None)  # tied to the embeddings; stored once
+    state = dict(model.state_dict())
     if not args.no_twins:
         for k in list(state):
             mod, _, leaf = k.rpartition(".")
             parent, _, name = mod.rpartition(".")
             if name in TWIN_NAMES and parent.endswith("self_attn"):
                 state[f"{parent}.{name}_diff.{leaf}"] = state[k].clone()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out / "model.safetensors", 0o644)  # save_file creates it owner-only
-    cfg = model.config.to_dict()
-    cfg.update(architectures=["OrthrusLM"], model_type="qwen3", torch_dtype="bfloat16", dtype="bfloat16")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
-                           pad_token_id=cfg["pad_token_id"], do_sample=False, max_new_tokens=256)
+    write_checkpoint(out, model.config, state, dtype=torch.bfloat16)
+    cfg = model.config
+    gen = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                           pad_token_id=cfg.pad_token_id, do_sample=False, max_new_tokens=256)
     gen.save_pretrained(str(out))
     (out / "training_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 

@@ -1,8 +1,14 @@
-"""Orthrus: one Qwen3 model with an AR view and a diffusion view, batched lossless decoding."""
-from orthrus.engine import EngineStepError, OrthrusEngine
+"""Orthrus: one Qwen3 model with an AR view and a diffusion view, batched lossless decoding.
+
+Layout: ``orthrus.engine`` (the streaming request loop and everything it steps), ``orthrus.model``
+(the dual-view Qwen3, attention backends, KV cache, checkpoints), ``orthrus.sampling`` (processing,
+sampling and speculative acceptance), ``orthrus.params`` (request parameters and row statistics),
+``orthrus.metrics`` (the acceptance metrics). Training lives apart, in ``orthrus_train``.
+"""
+from orthrus.engine import EngineStepError, FinishReason, GenerationResult, OrthrusEngine, RequestOutput
+from orthrus.metrics import tokens_per_cycle
 from orthrus.model import OrthrusForCausalLM
-from orthrus.params import RowStats, SamplingParams, tokens_per_cycle
-from orthrus.requests import FinishReason, GenerationResult, RequestOutput
+from orthrus.params import RowStats, SamplingParams
 
 __all__ = ["EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
            "RequestOutput", "RowStats", "SamplingParams", "tokens_per_cycle"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from orthrus.metrics import tokens_per_cycle
+
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything above is a typo, not a request
 
 
@@ -75,11 +77,3 @@ class RowStats:
         half of it), counting an AR step as an iteration of 1 token (1.0 without speculation)."""
         return tokens_per_cycle(self.num_accepted_draft_tokens, self.num_cycles + self.num_ar_steps)
 
-
-def tokens_per_cycle(accepted_drafts: float, iterations: float) -> float:
-    """The acceptance length, DESIGN §2.2: (accepted drafts + iterations) / iterations; 0 if none.
-
-    The one definition used by the engine, the trainer's evaluation, the job summary and the bench
-    (an AR step is an iteration that accepts 0 drafts). TPF = this / 2.
-    """
-    return (accepted_drafts + iterations) / iterations if iterations else 0.0

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orthrus import tokens_per_cycle
+from orthrus.metrics import acceptance_by_position, tokens_per_cycle
 from pipeline.output import SUMMARY_JSON, SUMMARY_PNG, OutputDir
 from pipeline.schema import key_strings
 
@@ -48,17 +48,6 @@ def _histogram(col: pa.ChunkedArray) -> list[int]:
     for h in rows:
         total[: len(h)] += h
     return total.tolist()
-
-
-def acceptance_by_position(hist: list[int]) -> tuple[list[float], list[float]]:
-    """Per draft position j = 1..K-1: P(draft j accepted) and P(accepted | drafts before it accepted)."""
-    cycles = sum(hist)
-    if not cycles:
-        return [], []
-    reach = [sum(hist[j:]) for j in range(len(hist))]  # cycles that accepted at least j drafts
-    rate = [reach[j] / cycles for j in range(1, len(hist))]
-    cond = [reach[j] / reach[j - 1] if reach[j - 1] else 0.0 for j in range(1, len(hist))]
-    return rate, cond
 
 
 def _duplicates(table: pa.Table) -> int:

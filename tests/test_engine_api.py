@@ -99,3 +99,21 @@ def test_invalid_engine_arguments():
         OrthrusEngine(model, max_batch_size=0)
     with pytest.raises(ValueError, match="block_size"):
         OrthrusEngine(model, block_size=1)
+
+
+def test_base_training_job_writes_through_the_one_checkpoint_writer(tmp_path):
+    import argparse
+
+    from jobs.train_base import save_final
+
+    cfg = tiny_config()
+    cfg.tie_word_embeddings, cfg.bos_token_id, cfg.pad_token_id = True, 1, 0
+    torch.manual_seed(3)
+    base = Qwen3ForCausalLM(cfg).eval()
+    save_final(base, None, argparse.Namespace(out=str(tmp_path), no_twins=False), {"steps": 0})
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["OrthrusLM"]
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    model = OrthrusForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert model.block_size == 4 and model.mask_token_id == 63
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(model(ids), base.to(torch.bfloat16).float()(ids).logits)   # bf16 weights

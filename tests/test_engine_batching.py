@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.attention import ragged_attention
-from orthrus.cache import RaggedKVCache
+from orthrus.model.attention import ragged_attention
+from orthrus.model.cache import RaggedKVCache
 from tiny_models import tiny_model
 
 

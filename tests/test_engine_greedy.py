@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.policy import AR
+from orthrus.engine.policy import AR
 from tiny_models import hf_greedy, hf_twin, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],

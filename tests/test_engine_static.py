@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.graphs import bucket, pad_slots
+from orthrus.engine.graphs import bucket, pad_slots
 from tiny_models import tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],

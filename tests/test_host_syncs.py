@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.syncs import count_host_reads
+from orthrus.engine.syncs import count_host_reads
 from tiny_models import tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17]]

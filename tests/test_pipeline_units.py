@@ -22,7 +22,8 @@ from pipeline.preprocess import PreprocessPlan, derive_seed, preprocess_batch
 from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.stage import GenerationStage, StagePlan
 from pipeline.schema import OUTPUT_FIELDS, key_strings, output_schema, to_output_table
-from pipeline.summary import acceptance_by_position, row_statistics
+from orthrus.metrics import acceptance_by_position
+from pipeline.summary import row_statistics
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-orthrus-py"
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.stop_strings import StopStringScanner
+from orthrus.engine.stop_strings import StopStringScanner
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "tiny-orthrus-py"
 PROMPT = 'def finalize_unix(self):\n    """Finalizes options for posix platforms."""\n'

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orthrus import corpus
+from orthrus_train import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "tiny-orthrus-py"

@@ -5,10 +5,10 @@ import warnings
 
 import torch
 
-from orthrus.attention import BlockBatch
-from orthrus.cache import RaggedKVCache
-from orthrus.proposer import DiffusionProposer
-from orthrus.training import (distill_loss, dual_pass_mask, freeze_all_but_diffusion, sample_anchors,
+from orthrus.model.attention import BlockBatch
+from orthrus.model.cache import RaggedKVCache
+from orthrus.engine.proposer import DiffusionProposer
+from orthrus_train.training import (distill_loss, dual_pass_mask, freeze_all_but_diffusion, sample_anchors,
                               student_pass, teacher_pass)
 from tiny_models import tiny_model
 

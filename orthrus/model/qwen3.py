@@ -6,13 +6,16 @@ differs (see ``attention.py``). State-dict names match the released checkpoints
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from orthrus.attention import AR_NAMES, DIFF_SUFFIX, BlockBatch, OrthrusAttention
-from orthrus.cache import RaggedKVCache
+from orthrus.model import checkpoint
+from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, BlockBatch, OrthrusAttention
+from orthrus.model.cache import RaggedKVCache
 
 DEFAULT_BLOCK_SIZE = 32
 
@@ -139,11 +142,23 @@ class OrthrusForCausalLM(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "OrthrusForCausalLM":
-        """Load an Orthrus or plain Qwen3 checkpoint from a local HF-layout directory (no remote code)."""
-        from orthrus.checkpoint import load_checkpoint
-        return load_checkpoint(cls, path, dtype=dtype, device=device)
+        """Load an Orthrus or plain Qwen3 checkpoint from a local HF-layout directory (no remote code);
+        twins absent from the checkpoint start as AR copies."""
+        root = Path(path)
+        config = checkpoint.read_config(root)
+        found = checkpoint.read_tensors(root)
+        with torch.device("meta"):
+            model = cls(config)
+        state = checkpoint.complete_state(dict(model.state_dict()), found, bool(config.tie_word_embeddings), root)
+        model.load_state_dict({k: v.to(dtype=dtype) for k, v in state.items()}, assign=True, strict=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb = Qwen3RotaryEmbedding(config=config)   # not persistent: rebuilt off meta
+        model._extra_eos_ids = checkpoint.generation_eos(root)
+        return model.to(device=device).eval()
 
     def save_pretrained(self, path: str, dtype: torch.dtype | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the released Orthrus layout."""
-        from orthrus.checkpoint import save_checkpoint
-        save_checkpoint(self, path, dtype=dtype)
+        self.config.block_size = self.block_size
+        self.config.mask_token_id = self.mask_token_id
+        checkpoint.write_checkpoint(path, self.config, self.state_dict(), dtype=dtype)

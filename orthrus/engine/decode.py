@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from orthrus import rng
-from orthrus.attention import BlockBatch
-from orthrus.cache import RaggedKVCache
-from orthrus.model import OrthrusForCausalLM
-from orthrus.packed import pack
-from orthrus.proposer import Proposer
-from orthrus.requests import FinishReason
+from orthrus.model.attention import BlockBatch
+from orthrus.model.cache import RaggedKVCache
+from orthrus.model.qwen3 import OrthrusForCausalLM
+from orthrus.engine.packed import pack
+from orthrus.engine.proposer import Proposer
+from orthrus.engine.requests import FinishReason
 from orthrus.sampling import SamplingTensors, accept, greedy_accept, process, sample
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)

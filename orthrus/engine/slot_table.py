@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from orthrus.packed import Packed
+from orthrus.engine.packed import Packed
 from orthrus.params import RowStats
-from orthrus.requests import FinishReason, Request
+from orthrus.engine.requests import FinishReason, Request
 
 
-class SlotBook:
+class SlotTable:
     """Slots ↔ requests, per-slot output buffers ``[B, capacity]`` and counters."""
 
     def __init__(self, num_slots: int, width: int, capacity: int) -> None:

@@ -16,10 +16,11 @@ from typing import Callable
 
 import torch
 
-from orthrus.engine import OrthrusEngine
-from orthrus.model import OrthrusForCausalLM
-from orthrus.params import SamplingParams, tokens_per_cycle
-from orthrus.training import distill_loss, freeze_all_but_diffusion, sample_anchors
+from orthrus.engine.engine import OrthrusEngine
+from orthrus.model.qwen3 import OrthrusForCausalLM
+from orthrus.metrics import acceptance_by_position, tokens_per_cycle
+from orthrus.params import SamplingParams
+from orthrus_train.training import distill_loss, freeze_all_but_diffusion, sample_anchors
 
 STATE = "train_state.pt"
 
@@ -54,8 +55,7 @@ def acceptance(model: OrthrusForCausalLM, prompts: list[list[int]], block_size: 
     cycles = sum(r.stats.num_cycles for r in res)
     accepted = sum(r.stats.num_accepted_draft_tokens for r in res)
     hist = [sum(col) for col in zip(*(r.stats.accept_length_histogram for r in res))]
-    reached = [sum(hist[i:]) for i in range(len(hist))]          # cycles whose draft i-1 was accepted
-    per_pos = [reached[i + 1] / reached[i] if reached[i] else 0.0 for i in range(len(hist) - 1)]
+    per_pos = acceptance_by_position(hist)[1]
     return {"tokens_per_cycle": tokens_per_cycle(accepted, cycles), "cycles": cycles,
             "tokens": sum(len(r.token_ids) for r in res), "block_size": block_size, "temperature": temperature,
             "accept_length_histogram": hist, "per_position_acceptance": [round(x, 4) for x in per_pos]}

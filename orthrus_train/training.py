@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from orthrus.model import OrthrusForCausalLM
+from orthrus.model.qwen3 import OrthrusForCausalLM
 
 
 @dataclass(frozen=True)

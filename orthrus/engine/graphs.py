@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from orthrus.policy import SpeculationPolicy
+from orthrus.engine.policy import SpeculationPolicy
 
 GraphKey = tuple[int, int, bool, bool]   # (block size or 0 = AR step, rows, filtered, all_greedy)
 

@@ -1,29 +1,29 @@
-"""Loading and saving checkpoints in the released Orthrus layout (plain HF directories).
+"""Reading and writing checkpoints in the released Orthrus layout (plain HF directories).
 
 A checkpoint directory is data, never code: we read ``config.json``, ``generation_config.json``
 and safetensors only; ``auto_map``/``modeling_*.py`` files are ignored (no ``trust_remote_code``).
+This module knows configs and state dicts, not the model class (``qwen3.py`` builds the model from
+them), so the two never import each other in a cycle. It is the project's one checkpoint writer.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from orthrus.attention import DIFF_SUFFIX
-
-if TYPE_CHECKING:
-    from orthrus.model import OrthrusForCausalLM
+from orthrus.model.attention import DIFF_SUFFIX
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _read_config(root: Path) -> Qwen3Config:
+def read_config(root: Path) -> Qwen3Config:
+    """The checkpoint's ``config.json`` as a Qwen3 config (``auto_map`` dropped); errors name the file."""
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{root}: no config.json (expected a local HF-layout checkpoint directory)")
@@ -34,7 +34,7 @@ def _read_config(root: Path) -> Qwen3Config:
     return Qwen3Config.from_dict(raw)
 
 
-def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
+def read_tensors(root: Path) -> dict[str, torch.Tensor]:
     if (root / INDEX).is_file():
         shards = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
     elif (root / WEIGHTS).is_file():
@@ -47,7 +47,7 @@ def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _complete_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor],
+def complete_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor],
                     tied: bool, where: Path) -> dict[str, torch.Tensor]:
     """Fill in twins missing from a plain Qwen3 checkpoint; fail on anything else missing/unknown."""
     state = {k: v for k, v in found.items() if not k.endswith(IGNORED_SUFFIXES)}
@@ -71,7 +71,7 @@ def _complete_state(expected: dict[str, torch.Tensor], found: dict[str, torch.Te
     return state
 
 
-def _generation_eos(root: Path) -> tuple[int, ...]:
+def generation_eos(root: Path) -> tuple[int, ...]:
     gen = root / "generation_config.json"
     if not gen.is_file():
         return ()
@@ -79,39 +79,21 @@ def _generation_eos(root: Path) -> tuple[int, ...]:
     return tuple([eos] if isinstance(eos, int) else (eos or []))
 
 
-def load_checkpoint(cls: type["OrthrusForCausalLM"], path: str, dtype: torch.dtype,
-                    device: str | torch.device) -> "OrthrusForCausalLM":
-    """Build the model from ``path``; twins absent from the checkpoint start as AR copies."""
-    root = Path(path)
-    config = _read_config(root)
-    found = _read_tensors(root)
-    with torch.device("meta"):
-        model = cls(config)
-    expected = {k: v for k, v in model.state_dict().items()}
-    state = _complete_state(expected, found, bool(config.tie_word_embeddings), root)
-    state = {k: v.to(dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    # The rotary buffers are not persistent: rebuild them off the meta device.
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-    model.model.rotary_emb = Qwen3RotaryEmbedding(config=config)
-    model._extra_eos_ids = _generation_eos(root)
-    return model.to(device=device).eval()
-
-
-def save_checkpoint(model: "OrthrusForCausalLM", path: str, dtype: torch.dtype | None = None) -> None:
-    """Save config + safetensors (optionally cast to ``dtype``); a tied LM head is stored once."""
+def write_checkpoint(path: str | Path, config: Qwen3Config, state: dict[str, torch.Tensor],
+                     dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype`` if given; a tied LM
+    head stored once). ``config`` must carry ``block_size`` and ``mask_token_id``."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    config.architectures = ["OrthrusLM"]
-    config.block_size = model.block_size
-    config.mask_token_id = model.mask_token_id
-    config.save_pretrained(str(root))
-    state = {k: v.detach().to(dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    state = {k: v.cpu() for k, v in state.items()}  # SYNC: saving only, never in the decode loop
-    config.dtype = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    for field in ("block_size", "mask_token_id"):
+        if getattr(config, field, None) is None:
+            raise ValueError(f"config.{field} is required in an Orthrus checkpoint")
+    state = {k: v.detach().to(dtype=dtype or v.dtype).contiguous().cpu()  # SYNC: saving only
+             for k, v in state.items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    config.architectures = ["OrthrusLM"]
+    config.dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config.save_pretrained(str(root))
     save_file(state, str(root / WEIGHTS), metadata={"format": "pt"})
+    os.chmod(root / WEIGHTS, 0o644)  # save_file creates it owner-only

@@ -26,8 +26,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-from orthrus import flash
-from orthrus.cache import RaggedKVCache
+from orthrus.model import flash
+from orthrus.model.cache import RaggedKVCache
 
 AR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 DIFF_SUFFIX = "_diff"

@@ -5,7 +5,8 @@ iteration: admit waiting requests into free slots (one padded prefill, one per d
 run one speculative cycle (or AR step) on the occupied slots, read back ONE packed int tensor, fold
 it into the numpy slot table, scan the rows that have stop strings, and return the requests that
 finished. ``generate`` is add + step until done. Device work lives in ``decode.py``, host
-bookkeeping in ``bookkeeping.py``, stop strings in ``stop_strings.py``.
+bookkeeping in ``slot_table.py``, admission and shared prefills in ``scheduler.py``, stop strings in
+``stop_strings.py``.
 """
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from orthrus import decode, flash
-from orthrus.bookkeeping import SlotBook
-from orthrus.cache import RaggedKVCache
-from orthrus.graphs import CycleGraphs, pad_slots
-from orthrus.model import OrthrusForCausalLM
-from orthrus.packed import Packed
+from orthrus.engine import decode, scheduler
+from orthrus.model import flash
+from orthrus.engine.slot_table import SlotTable
+from orthrus.model.cache import RaggedKVCache
+from orthrus.engine.graphs import CycleGraphs, pad_slots
+from orthrus.model.qwen3 import OrthrusForCausalLM
+from orthrus.engine.packed import Packed
 from orthrus.params import RowStats, SamplingParams
-from orthrus.policy import AR, SpeculationPolicy, halving_block_sizes
-from orthrus.proposer import DiffusionProposer, Proposer
-from orthrus.requests import FinishReason, Request, RequestOutput
-from orthrus.stop_strings import StopHit, StopStringScanner
+from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
+from orthrus.engine.proposer import DiffusionProposer, Proposer
+from orthrus.engine.requests import FinishReason, Request, RequestOutput
+from orthrus.engine.stop_strings import StopHit, StopStringScanner
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
@@ -96,7 +98,7 @@ class OrthrusEngine:
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
         self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device)
-        self.book = SlotBook(max_batch_size, self.block_size, self.max_seq_len)
+        self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
         self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
@@ -176,7 +178,7 @@ class OrthrusEngine:
     @property
     def num_running(self) -> int:
         """Requests holding a slot."""
-        return int(self.book.busy_mask.sum())
+        return int(self.table.busy_mask.sum())
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -189,9 +191,9 @@ class OrthrusEngine:
         finished, self._aborted = self._aborted, []
         try:
             finished += self._release_aborted()
-            if self._waiting and not self.book.busy_mask.all():
+            if self._waiting and not self.table.busy_mask.all():
                 self._admit()
-            slots = self.book.occupied()
+            slots = self.table.occupied()
             if len(slots):
                 finished += self._decode(slots)
         except Exception as err:
@@ -206,7 +208,7 @@ class OrthrusEngine:
         self._requests.clear()
         self._aborted.clear()
         self._abort_slots.clear()
-        self.book = SlotBook(self.max_batch_size, self.block_size, self.max_seq_len)
+        self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len)
         self.state.reset()
         self.cache.reset()
 
@@ -256,7 +258,7 @@ class OrthrusEngine:
 
     def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
         """Free ``slot`` and build its request's output."""
-        req, tokens, stats = self.book.release(slot, *((hit.keep, hit.end) if hit else ()))
+        req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
         del self._requests[req.request_id]
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text)
@@ -265,16 +267,16 @@ class OrthrusEngine:
 
     def _decode(self, slots: np.ndarray) -> list[RequestOutput]:
         """One cycle (or AR step) over the occupied ``slots`` → the requests that finished in it."""
-        filtered, all_greedy = self.book.flags(slots)
+        filtered, all_greedy = self.table.flags(slots)
         if self._mode == "auto" and self.policy is None:
             self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
         policy = self.policy if self._mode == "auto" else None
         k = policy.choose(len(slots)) if policy else (self.block_size if self._mode else AR)
         start = time.perf_counter()
-        out = Packed.unpack(self._iterate(self.state, slots, self.book.kv_len(slots), k, filtered, all_greedy))
+        out = Packed.unpack(self._iterate(self.state, slots, self.table.kv_len(slots), k, filtered, all_greedy))
         self.iterations += 1
         self.busy_slot_iterations += len(slots)
-        done, reasons, tokens, live = self.book.record(slots, out, k)
+        done, reasons, tokens, live = self.table.record(slots, out, k)
         if policy:
             policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
         ended = dict(zip(done.tolist(), reasons.tolist()))
@@ -288,8 +290,8 @@ class OrthrusEngine:
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
         hits: dict[int, StopHit] = {}
-        for slot in slots[self.book.has_stops[slots]].tolist():
-            req, tokens = self.book.requests[slot], self.book.generated(slot)
+        for slot in slots[self.table.has_stops[slots]].tolist():
+            req, tokens = self.table.requests[slot], self.table.generated(slot)
             if len(tokens) > req.scanned:
                 hit = self.stops.scan(tokens, req.scanned, req.params.stop)
                 req.scanned = len(tokens)
@@ -299,12 +301,11 @@ class OrthrusEngine:
 
     def _admit(self) -> None:
         """Seat waiting requests in free slots (FIFO) and prefill them."""
-        free = self.book.free_slots()[: len(self._waiting)]
-        reqs = [self._waiting.popleft() for _ in range(len(free))]
+        free, reqs = scheduler.admit(self._waiting, self.table.free_slots())
         now = time.perf_counter()
         for r in reqs:
             r.admitted = now
-        self.book.admit(free, reqs)
+        self.table.admit(free, reqs)
         self._prefill(free, reqs)
 
     def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
@@ -331,35 +332,11 @@ class OrthrusEngine:
                               self.max_seq_len)
 
     def _prefill(self, slots: np.ndarray, reqs: list[Request]) -> None:
-        """Load admitted requests' parameters into their slots and prefill each distinct prompt once."""
-        dev, st = self.device, self.state
-        distinct: dict[tuple[int, ...], int] = {}
-        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in reqs]
-        owners = [int(slots[source.index(i)]) for i in range(len(distinct))]
-        copies = [(owners[s], int(slot)) for s, slot in zip(source, slots) if owners[s] != slot]
-        t = max(len(p) for p in distinct)
-        padded = torch.zeros((len(distinct), t), dtype=torch.long)                 # [u, T]
-        for i, p in enumerate(distinct):
-            padded[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        stops = torch.full((len(reqs), st.stop_ids.shape[1]), -1, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids = sorted(set(self.eos_token_ids) | set(r.params.stop_token_ids))
-            stops[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        ps = [r.params for r in reqs]
-        slots_t = torch.as_tensor(slots, device=dev)
-        st.stop_ids[slots_t] = stops.to(dev)
-        st.row[slots_t] = torch.as_tensor([r.row for r in reqs], device=dev)
-        st.seed[slots_t] = torch.as_tensor([r.seed for r in reqs], device=dev)
-        st.max_new[slots_t] = torch.as_tensor([p.max_new_tokens for p in ps], device=dev)
-        st.temperature[slots_t] = torch.as_tensor([float(p.temperature) for p in ps], dtype=torch.float64, device=dev)
-        st.top_p[slots_t] = torch.as_tensor([float(p.top_p) for p in ps], dtype=torch.float64, device=dev)
-        st.top_k[slots_t] = torch.as_tensor([p.top_k for p in ps], device=dev)
-        st.greedy[slots_t] = torch.as_tensor([p.greedy for p in ps], device=dev)
-        long = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        pb = decode.PrefillBatch(slots_t, padded.to(dev), long([len(p) for p in distinct]), long(source),
-                                 long(owners), long([c[0] for c in copies]), long([c[1] for c in copies]))
-        decode.prefill(self.model, self.cache, st, pb, *self.book.flags(slots), self.max_seq_len)
-        self.prefill_tokens += sum(len(p) for p in distinct)
+        """Load admitted requests into their slots and prefill each distinct prompt once."""
+        batch = scheduler.prefill_batch(slots, reqs, self.device)
+        scheduler.load_slots(self.state, batch.slots, reqs, self.eos_token_ids)
+        decode.prefill(self.model, self.cache, self.state, batch, *self.table.flags(slots), self.max_seq_len)
+        self.prefill_tokens += int(sum(len(p) for p in {tuple(r.prompt) for r in reqs}))
 
 
 class EngineStepError(RuntimeError):

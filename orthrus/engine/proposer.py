@@ -10,9 +10,9 @@ from typing import Protocol
 
 import torch
 
-from orthrus.attention import BlockBatch
-from orthrus.cache import RaggedKVCache
-from orthrus.model import OrthrusForCausalLM
+from orthrus.model.attention import BlockBatch
+from orthrus.model.cache import RaggedKVCache
+from orthrus.model.qwen3 import OrthrusForCausalLM
 
 
 class Proposer(Protocol):
