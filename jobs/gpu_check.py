@@ -22,7 +22,8 @@ from transformers import AutoTokenizer
 
 from jobs import bench
 from jobs.prompt_ids import load_prompt_ids
-from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, flash
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus.model import flash
 
 
 def _tokens(model, prompts, params, **engine_kwargs) -> list[list[int]]:
