@@ -99,3 +99,41 @@ def job_vs_engine(model: OrthrusForCausalLM, model_path: str, prompts: list[list
             "engine_tokens_per_s": bare, "job_over_engine": run["tokens_per_second"] / bare,
             "steady_job_over_engine": steady / bare if steady else None, "rows": len(prompts),
             "slot_occupancy": run["slot_occupancy"]}
+
+
+def stop_string_waste(config_path: str) -> dict:
+    """The demo job's rows (the pipeline's own preprocessing, no Ray) decoded by the bare engine with
+    stop strings applied after decoding (the design before the streaming engine: a row decodes to
+    EOS or ``max_new_tokens``) and inside the engine (now): tokens decoded after the token that
+    completed a stop string, summed. Greedy, so both runs decode the same sequence up to the stop."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from pipeline import schema as S
+    from pipeline.config import load_config
+    from pipeline.job import preflight
+    from pipeline.preprocess import PreprocessPlan, preprocess_batch
+
+    cfg = load_config(config_path, [])
+    inputs = preflight(cfg).inputs
+    plan = PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling)
+    rows = pa.concat_tables([preprocess_batch(pq.read_table(f), plan) for f in inputs.files]).to_pylist()
+    rows = [r for r in rows if r["error"] is None]
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(cfg.model.path), max_batch_size=cfg.engine.max_batch_size,
+                           tokenizer=tok)
+    ids, stops = [r[S.PROMPT_IDS] for r in rows], tuple(cfg.sampling.stop)
+    plain = engine.generate(ids, [SamplingParams(max_new_tokens=r[S.MAX_NEW_TOKENS]) for r in rows])
+    cut = engine.generate(ids, [SamplingParams(max_new_tokens=r[S.MAX_NEW_TOKENS], stop=stops) for r in rows])
+    before = after = stopped = 0
+    for p, c in zip(plain, cut):
+        if c.text is None:              # not ended by a stop string
+            continue
+        assert p.token_ids[: len(c.token_ids)] == c.token_ids
+        end = next(n for n in range(1, len(p.token_ids) + 1)
+                   if c.stop_reason in tok.decode(p.token_ids[:n], skip_special_tokens=True))
+        stopped += 1
+        before += len(p.token_ids) - end
+        after += c.stats.num_tokens_after_stop
+    return {"rows": len(rows), "rows_ended_by_stop_string": stopped, "decoded_after_stop_before": before,
+            "decoded_after_stop_now": after, "block_size": engine.block_size}

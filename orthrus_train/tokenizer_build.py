@@ -102,7 +102,7 @@ def build(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenize
     return tok
 
 
-if __name__ == "__main__":  # python -m orthrus.tokenizer_build OUT_DIR
+if __name__ == "__main__":  # python -m orthrus_train.tokenizer_build OUT_DIR
     import sys
 
     build(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-orthrus-py")

@@ -141,3 +141,17 @@ def test_wider_stop_ids_mid_flight(model):
     ref = OrthrusEngine(model, max_batch_size=1)
     assert out["a"].token_ids == ref.generate([PROMPTS[1]], plain)[0].token_ids
     assert out["b"].token_ids == ref.generate([PROMPTS[2]], many)[0].token_ids
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_prompt_shared_across_steps_with_a_running_slot(model, static):
+    """n samples of one prompt through 2 slots: later samples copy a running sibling's prompt state."""
+    prompt = [7, 8, 9, 10, 11, 12]
+    lengths = [5, 40, 8, 12, 6]           # the second sample keeps running while the others come and go
+    params = [SamplingParams(temperature=0.9, max_new_tokens=n, seed=10 + i, stop_token_ids=(63,))
+              for i, n in enumerate(lengths)]
+    engine = OrthrusEngine(model, max_batch_size=2, static_shapes=static)
+    got = engine.generate([prompt] * len(lengths), params)
+    assert engine.prefill_tokens == len(prompt)                 # once for all five samples
+    for p, r in zip(params, got):
+        assert r.token_ids == OrthrusEngine(model, max_batch_size=1).generate([prompt], p)[0].token_ids

@@ -25,7 +25,8 @@ RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(F
 class SlotState:
     """Per-slot decoding state on the device, ``[B]`` (``stop_ids [B, S]``, padded with -1)."""
 
-    def __init__(self, num_slots: int, stop_width: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, stop_width: int, device: torch.device, hidden_size: int = 1,
+                 dtype: torch.dtype = torch.float32) -> None:
         # Allocated once per engine: captured CUDA graphs hold these addresses (graphs.py).
         def z(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(num_slots, dtype=dtype, device=device)
@@ -35,6 +36,10 @@ class SlotState:
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float64), z(torch.float64) + 1
         self.greedy, self.alive = z(torch.bool), z(torch.bool)
         self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
+        # [B, E] the final hidden state at the prompt's last position: with the prompt's K/V (cache
+        # positions < prompt_len, never overwritten while the row runs) it lets a later request with
+        # the same prompt start from this slot's prefill instead of computing its own.
+        self.prompt_hidden = torch.zeros((num_slots, hidden_size), dtype=dtype, device=device)
 
     def widen(self, stop_width: int) -> None:
         """Room for ``stop_width`` stop ids per slot, keeping every slot's current ones."""
@@ -81,33 +86,53 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """Rows admitted in one step, on the device. ``slots [b]`` are the admitted slots and ``source [b]``
-    the distinct prompt each holds (``u <= b``): prompt ``i`` of ``prompts [u, T]`` (right-padded,
-    true lengths ``lens [u]``) is computed once, into slot ``owners[i]``, and its K/V copied from
-    ``copy_from`` to ``copy_to`` (the other slots holding it)."""
+    """Rows admitted in one step, on the device (host-built by ``scheduler.prefill_batch``).
+
+    ``slots [b]`` are the admitted slots, ``row_lens [b]`` their prompt lengths. Distinct prompts
+    not held by any running slot are computed once: ``prompts [u, T]`` (right-padded, lengths
+    ``lens [u]``) into slots ``owners [u]``, whose K/V and prompt hidden state are then copied from
+    ``copy_from`` to ``copy_to`` (other admitted slots with the same prompt). A prompt a running slot
+    already holds is not computed at all: ``donor_from`` → ``donor_to`` copies its first
+    ``donor_len`` cache positions and its prompt hidden state before the forward.
+    """
 
     slots: torch.Tensor
+    row_lens: torch.Tensor
     prompts: torch.Tensor
     lens: torch.Tensor
-    source: torch.Tensor
     owners: torch.Tensor
     copy_from: torch.Tensor
     copy_to: torch.Tensor
+    donor_from: torch.Tensor
+    donor_to: torch.Tensor
+    donor_len: int
+
+
+def _prompt_states(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, pb: PrefillBatch) -> None:
+    """K/V and the last hidden state of every admitted slot's prompt: copied from a running slot
+    that holds it, or computed once per distinct prompt (then copied to its duplicates)."""
+    if pb.donor_to.numel():
+        cache.copy_prefix(pb.donor_from, pb.donor_to, pb.donor_len)
+        st.prompt_hidden[pb.donor_to] = st.prompt_hidden[pb.donor_from]
+    u, t = pb.prompts.shape
+    if u == 0:
+        return
+    pos = torch.arange(t, device=pb.prompts.device)[None, :].expand(u, t)    # [u, T]
+    batch = BlockBatch(slots=pb.owners, positions=pos, key_limit=pos + 1, kv_len=t)
+    hidden = model.forward_cached(pb.prompts, cache, batch, diffusion=False)  # [u, T, E]
+    st.prompt_hidden[pb.owners] = hidden[torch.arange(u, device=hidden.device), pb.lens - 1]
+    if pb.copy_to.numel():
+        cache.copy_prefix(pb.copy_from, pb.copy_to, t)
+        st.prompt_hidden[pb.copy_to] = st.prompt_hidden[pb.copy_from]
 
 
 def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, pb: PrefillBatch,
             filtered: bool, all_greedy: bool, max_seq_len: int) -> None:
-    """AR-prefill each distinct prompt once and sample every admitted row's first anchor from its own seed."""
-    slots, prompts = pb.slots, pb.prompts
-    u, t = prompts.shape
-    pos = torch.arange(t, device=prompts.device)[None, :].expand(u, t)       # [u, T]
-    batch = BlockBatch(slots=pb.owners, positions=pos, key_limit=pos + 1, kv_len=t)
-    hidden = model.forward_cached(prompts, cache, batch, diffusion=False)    # [u, T, E]
-    if pb.copy_to.numel():
-        cache.copy_prefix(pb.copy_from, pb.copy_to, t)
-    row_lens = pb.lens[pb.source]                                            # [b]
-    last = hidden[pb.source, row_lens - 1]                                   # [b, E]
-    probs = process(model.logits(last)[:, None], st.sampling(slots, filtered, all_greedy))
+    """Prefill the admitted slots (each distinct prompt at most once) and sample every row's first
+    anchor from its own seed."""
+    _prompt_states(model, cache, st, pb)
+    slots, row_lens = pb.slots, pb.row_lens
+    probs = process(model.logits(st.prompt_hidden[slots])[:, None], st.sampling(slots, filtered, all_greedy))
     u_first = rng.uniforms(st.seed[slots], torch.zeros_like(row_lens), rng.STREAM_FIRST, 1)
     first = sample(probs, u_first)[:, 0]                                     # [b]
     cache.lengths[slots] = row_lens

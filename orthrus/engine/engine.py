@@ -97,7 +97,8 @@ class OrthrusEngine:
         # acceptance of this model on this workload.
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
-        self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device)
+        self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device, cfg.hidden_size,
+                                      param.dtype)
         self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
@@ -302,11 +303,12 @@ class OrthrusEngine:
     def _admit(self) -> None:
         """Seat waiting requests in free slots (FIFO) and prefill them."""
         free, reqs = scheduler.admit(self._waiting, self.table.free_slots())
+        donors = {self.table.requests[s].key: s for s in self.table.occupied().tolist()}
         now = time.perf_counter()
         for r in reqs:
             r.admitted = now
         self.table.admit(free, reqs)
-        self._prefill(free, reqs)
+        self._prefill(free, reqs, donors)
 
     def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
                  all_greedy: bool) -> np.ndarray:
@@ -331,12 +333,12 @@ class OrthrusEngine:
         return decode.ar_step(self.model, self.cache, st, slots_t, all_slots, kv_len, filtered, all_greedy,
                               self.max_seq_len)
 
-    def _prefill(self, slots: np.ndarray, reqs: list[Request]) -> None:
-        """Load admitted requests into their slots and prefill each distinct prompt once."""
-        batch = scheduler.prefill_batch(slots, reqs, self.device)
+    def _prefill(self, slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int]) -> None:
+        """Load admitted requests into their slots and prefill them (a prompt computed at most once)."""
+        batch, computed = scheduler.prefill_batch(slots, reqs, donors, self.device)
         scheduler.load_slots(self.state, batch.slots, reqs, self.eos_token_ids)
         decode.prefill(self.model, self.cache, self.state, batch, *self.table.flags(slots), self.max_seq_len)
-        self.prefill_tokens += int(sum(len(p) for p in {tuple(r.prompt) for r in reqs}))
+        self.prefill_tokens += computed
 
 
 class EngineStepError(RuntimeError):

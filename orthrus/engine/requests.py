@@ -61,7 +61,11 @@ class Request:
     slot: int = -1                   # -1 while waiting
     abort: bool = False              # abort_request was called; freed at the next step
     scanned: int = 0                 # generated tokens already searched for stop strings
+    key: tuple[int, ...] = field(init=False, repr=False)   # the prompt, hashable (shared prefills)
     row: int = 0                     # index passed to the proposer (the prompt index in generate)
+
+    def __post_init__(self) -> None:
+        self.key = tuple(self.prompt)
 
     def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
                stats: RowStats, text: str | None = None) -> RequestOutput:

@@ -1,9 +1,13 @@
 """Admission: which waiting requests get which free slots, and how their prompts are prefilled.
 
-FIFO into free slots. Requests admitted in the same step that share a prompt (typically the n
-samples of one prompt, which the pipeline submits together) are prefilled once: the prompt's K/V
-is computed into one slot and copied to the others on the device, while every request keeps its
-own seed and random stream.
+FIFO into free slots. A prompt is computed at most once while some slot holds it (typically the n
+samples of one prompt, which the pipeline submits together): requests admitted in the same step
+that share a prompt are prefilled once and the K/V copied to the others on the device; a request
+whose prompt a *running* slot already holds (a sibling admitted in an earlier step) copies that
+slot's prompt K/V and last hidden state and computes nothing. Every request keeps its own seed and
+random stream, so its first token is still its own sample. Only running slots are donors: their
+cache positions below the prompt length are never written while they run, whereas a free slot may
+be scribbled on as padding of a static-shape iteration.
 """
 from __future__ import annotations
 
@@ -22,21 +26,33 @@ def admit(waiting: deque[Request], free: np.ndarray) -> tuple[np.ndarray, list[R
     return slots, [waiting.popleft() for _ in range(len(slots))]
 
 
-def prefill_batch(slots: np.ndarray, reqs: list[Request], device: torch.device) -> PrefillBatch:
-    """The device batch that prefills each distinct prompt of ``reqs`` once (see ``PrefillBatch``)."""
+def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int],
+                  device: torch.device) -> tuple[PrefillBatch, int]:
+    """The device batch that prefills ``reqs`` into ``slots`` (see ``PrefillBatch``), given the
+    running slots' prompts (``donors``: prompt → slot) → (batch, prompt tokens it computes)."""
     distinct: dict[tuple[int, ...], int] = {}
-    source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in reqs]
-    owners = [int(slots[source.index(i)]) for i in range(len(distinct))]
-    copies = [(owners[s], int(slot)) for s, slot in zip(source, slots) if owners[s] != slot]
-    t = max(len(p) for p in distinct)
+    owners: list[int] = []
+    copies, lent = [], []                         # (from slot, to slot): after / before the forward
+    for r, slot in zip(reqs, slots.tolist()):
+        if r.key in donors:
+            lent.append((donors[r.key], slot))
+        elif r.key in distinct:
+            copies.append((owners[distinct[r.key]], slot))
+        else:
+            distinct[r.key] = len(distinct)
+            owners.append(slot)
+    t = max((len(p) for p in distinct), default=0)
     padded = torch.zeros((len(distinct), t), dtype=torch.long)                 # [u, T], right-padded
     for i, p in enumerate(distinct):
         padded[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
 
     def long(xs: list[int]) -> torch.Tensor:
         return torch.as_tensor(xs, dtype=torch.long, device=device)
-    return PrefillBatch(long(slots.tolist()), padded.to(device), long([len(p) for p in distinct]), long(source),
-                        long(owners), long([c[0] for c in copies]), long([c[1] for c in copies]))
+    batch = PrefillBatch(long(slots.tolist()), long([len(r.prompt) for r in reqs]), padded.to(device),
+                         long([len(p) for p in distinct]), long(owners), long([c[0] for c in copies]),
+                         long([c[1] for c in copies]), long([c[0] for c in lent]), long([c[1] for c in lent]),
+                         max((len(r.key) for r in reqs if r.key in donors), default=0))
+    return batch, sum(len(p) for p in distinct)
 
 
 def load_slots(st: SlotState, slots: torch.Tensor, reqs: list[Request], eos_token_ids: tuple[int, ...]) -> None:
