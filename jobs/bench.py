@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
         report["skewed_job"] = bench_job.skewed_job(args.model, args.prompts, args.job_config, args.skewed_rows)
         print(f"Length-skewed workload, job vs bare engine: {report['skewed_job']}", flush=True)
+        report["shared_prefill"] = bench_job.shared_prefill(model, prompts[:16])
+        print(f"n = 4 samples per prompt, prefill: {report['shared_prefill']}", flush=True)
         report["stop_strings"] = bench_job.stop_string_waste(args.job_config)
         print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

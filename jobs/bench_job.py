@@ -137,3 +137,16 @@ def stop_string_waste(config_path: str) -> dict:
         after += c.stats.num_tokens_after_stop
     return {"rows": len(rows), "rows_ended_by_stop_string": stopped, "decoded_after_stop_before": before,
             "decoded_after_stop_now": after, "block_size": engine.block_size}
+
+
+def shared_prefill(model: OrthrusForCausalLM, prompts: list[list[int]], slots: int = 8, n: int = 4,
+                   max_new_tokens: int = 64) -> dict:
+    """n sampled completions per prompt through ``slots`` slots, samples submitted together (as the
+    pipeline does): prompt tokens computed by prefills, against the prompts' lengths."""
+    engine = OrthrusEngine(model, max_batch_size=slots)
+    rows = [p for p in prompts for _ in range(n)]
+    params = [SamplingParams(temperature=0.7, max_new_tokens=max_new_tokens, seed=i) for i in range(len(rows))]
+    engine.generate(rows, params)
+    once = sum(len(p) for p in prompts)
+    return {"prompts": len(prompts), "n": n, "slots": slots, "prefill_tokens": engine.prefill_tokens,
+            "prompt_tokens_once": once, "prefill_tokens_per_prompt_token": engine.prefill_tokens / once}

@@ -96,13 +96,26 @@ class EngineLoop:
                     self._cv.wait()
                 inbox, self._inbox = self._inbox, []
                 cancelled, self._cancelled = self._cancelled, []
-            for g in cancelled:
-                self._cancel(g)
-            for g in inbox:
-                (self._exclusive if g.exclusive else self._held).append(g)
-            self._start_groups()
-            if self._active:
-                self._step()
+            try:
+                for g in cancelled:
+                    self._cancel(g)
+                for g in inbox:
+                    (self._exclusive if g.exclusive else self._held).append(g)
+                self._start_groups()
+                if self._active:
+                    self._step()
+            except Exception as err:  # noqa: BLE001 - a bug here must fail the batches, not hang them
+                self._fail_everything(err)
+
+    def _fail_everything(self, err: BaseException) -> None:
+        """Fail every group this loop knows and empty the engine (the actor then retries as usual)."""
+        groups = {id(g): g for g in [*self._active.values(), *self._held, *self._exclusive]}.values()
+        self._active.clear()
+        self._held.clear()
+        self._exclusive.clear()
+        self.engine.reset()
+        for g in groups:
+            self._fail(g, err)
 
     def _start_groups(self) -> None:
         """Start held groups unless an exclusive one is due; start an exclusive one on an empty engine."""

@@ -198,7 +198,7 @@ class OrthrusEngine:
             if len(slots):
                 finished += self._decode(slots)
         except Exception as err:
-            lost = [rid for rid in self._requests]
+            lost = list(self._requests)
             self.reset()
             raise EngineStepError(lost, err) from err
         return finished
