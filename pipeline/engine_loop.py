@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class Occupancy:
     iterations: int
     busy_slot_iterations: int
     slots: int
+    engine_ms: int               # wall time spent inside engine steps (the actor's busy time)
 
 
 class EngineLoop:
@@ -62,13 +64,14 @@ class EngineLoop:
         self._exclusive: deque[_Group] = deque()
         self._active: dict[str, _Group] = {}       # request id -> its group, for groups in the engine
         self._running_exclusive = False
+        self._engine_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="orthrus-engine", daemon=True)
         self._thread.start()
 
     def occupancy(self) -> Occupancy:
         """A snapshot of the engine's counters (plain ints; racy reads are fine for statistics)."""
         e = self.engine
-        return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size)
+        return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000))
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams],
                   exclusive: bool = False) -> list[RequestOutput]:
@@ -157,6 +160,7 @@ class EngineLoop:
         self._drop(group)
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except EngineStepError as err:
@@ -165,6 +169,8 @@ class EngineLoop:
             for g in groups:
                 self._fail(g, err.cause)
             return
+        finally:
+            self._engine_seconds += time.perf_counter() - start
         for out in outputs:
             group = self._active.pop(out.request_id, None)
             if group is None:      # a request of a group that failed at start and was aborted

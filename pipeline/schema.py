@@ -52,6 +52,7 @@ ACTOR = "__actor"                      # generate -> driver (per-actor throughpu
 GPU_IDS = "__gpu_ids"
 CALL_ID = "__call_id"
 CALL_SECONDS = "__call_seconds"
+CALL_STARTED = "__call_started"        # wall clock (epoch s) at which the actor got the batch
 
 FINISH_REASONS = ("stop", "length", "error")
 

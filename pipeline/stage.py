@@ -81,7 +81,7 @@ class GenerationStage:
         self.stop_ids = set(self.engine.eos_token_ids) | set(plan.sampling.stop_token_ids)
         self.loop = EngineLoop(self.engine)
         self.actor, self.gpu_ids = _actor_identity()
-        self.total_tokens, self.total_seconds = 0, 0.0
+        self.total_tokens = 0
         self.faults = FaultInjector.parse(plan.fault_inject)
         if self.faults:
             print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={plan.fault_inject!r}); test-only",
@@ -159,7 +159,7 @@ class GenerationStage:
         return todo
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
-        call_start, arrival = time.perf_counter(), self.loop.occupancy()
+        call_start, arrival, started = time.perf_counter(), self.loop.occupancy(), time.time()
         errors = batch["error"].to_pylist()
         prompts = batch[S.PROMPT_IDS].to_pylist()
         params = self._params(batch)
@@ -173,10 +173,11 @@ class GenerationStage:
                 if isinstance(r, Exception):
                     errors[i] = f"decoding failed: {type(r).__name__}: {r}"
         seconds = time.perf_counter() - call_start
-        table = self._assemble(batch, results, errors, params, seconds, (arrival, self.loop.occupancy()))
+        table = self._assemble(batch, results, errors, params, (started, seconds),
+                               (arrival, self.loop.occupancy()))
         table = detokenize_batch(table, self.tokenizer)
         self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
-                  time.perf_counter() - call_start)
+                  time.perf_counter() - call_start, self.loop.occupancy().engine_ms / 1000)
         return table
 
     def _text_ids(self, r: RequestOutput) -> list[int]:
@@ -187,9 +188,10 @@ class GenerationStage:
         return ids
 
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None],
-                  params: list[SamplingParams | None], call_seconds: float,
+                  params: list[SamplingParams | None], call_time: tuple[float, float],
                   occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
+        started, call_seconds = call_time
         stat = lambda name: [getattr(r.stats, name) if r else None for r in ok]  # noqa: E731
         n = batch.num_rows
         cols = {
@@ -214,22 +216,25 @@ class GenerationStage:
             S.GPU_IDS: (pa.string(), [self.gpu_ids] * n),
             S.CALL_ID: (pa.string(), [uuid.uuid4().hex] * n),
             S.CALL_SECONDS: (pa.float64(), [call_seconds] * n),
+            S.CALL_STARTED: (pa.float64(), [started] * n),
         }
         table = batch.drop_columns(_DROP)
         for name, (typ, values) in cols.items():
             table = table.append_column(pa.field(name, typ), pa.array(values, typ))
         return table
 
-    def _log(self, rows: int, tokens: int, seconds: float) -> None:
-        """Per-actor throughput, visible in the driver's log while the job runs."""
+    def _log(self, rows: int, tokens: int, seconds: float, engine_seconds: float) -> None:
+        """Per-actor throughput, visible in the driver's log while the job runs (the actor total is
+        over the engine's busy time: batches overlap, so their wall times do not add up)."""
         self.total_tokens += tokens
-        self.total_seconds += seconds
-        print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}]: {rows} rows, {tokens} tokens in "
-              f"{seconds:.2f}s = {tokens / max(seconds, 1e-9):.1f} tok/s (actor total {self.total_tokens} "
-              f"tokens, {self.total_tokens / max(self.total_seconds, 1e-9):.1f} tok/s)", flush=True)
+        print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}]: batch of {rows} rows, {tokens} tokens in "
+              f"{seconds:.2f}s (actor total {self.total_tokens} tokens, "
+              f"{self.total_tokens / max(engine_seconds, 1e-9):.1f} tok/s of engine time)", flush=True)
 
 
 def _flat(occupancy: tuple[Occupancy, Occupancy]) -> list[int]:
-    """Engine counters at a batch's arrival and at its end: [iters, busy slot-iters] x 2 + [slots]."""
+    """Engine counters at a batch's arrival and at its end:
+    [iters, busy slot-iters] x 2, slots, engine ms at arrival, engine ms at the end."""
     start, end = occupancy
-    return [start.iterations, start.busy_slot_iterations, end.iterations, end.busy_slot_iterations, end.slots]
+    return [start.iterations, start.busy_slot_iterations, end.iterations, end.busy_slot_iterations, end.slots,
+            start.engine_ms, end.engine_ms]

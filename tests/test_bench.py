@@ -39,3 +39,14 @@ def test_gpu_check_script_runs_its_exactness_part_on_cpu():
     for case in ("greedy", "sampled"):
         assert report[f"fp32_{case}_graphs_vs_eager"] == {"rows_equal": 1.0, "first_divergence_at_token": None}
     assert report["flash"].startswith("not run: ")
+
+
+def test_bench_shared_prefill_counts_each_prompt_once():
+    import torch
+
+    from jobs.bench_job import shared_prefill
+    from orthrus import OrthrusForCausalLM
+
+    model = OrthrusForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    report = shared_prefill(model, [[5, 6, 7, 8], [9, 10, 11]], slots=4, n=4, max_new_tokens=6)
+    assert report["prefill_tokens"] == report["prompt_tokens_once"] == 7

@@ -264,10 +264,10 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     from pipeline import schema as S
     from pipeline.throughput import ThroughputTracker
 
-    def block(call: str, tokens: int, occupancy: list[int]) -> pa.Table:
+    def block(call: str, tokens: int, occupancy: list[int], started: float | None = None) -> pa.Table:
         return pa.table({S.ACTOR: ["a", "a"], S.GPU_IDS: ["", ""], S.CALL_ID: [call, call],
                          S.CALL_SECONDS: [1.0, 1.0], "num_completion_tokens": [tokens, tokens],
-                         S.OCCUPANCY: [occupancy, occupancy]})
+                         S.OCCUPANCY: [occupancy, occupancy], S.CALL_STARTED: pa.array([started] * 2, pa.float64())})
 
     tracker = ThroughputTracker()
     start = time.time()
@@ -275,10 +275,20 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     time.sleep(0.2)
     # engine counters [iterations, busy slot-iterations] at arrival, then at the end, then 4 slots:
     # 10 iterations with all 4 slots busy between the two arrivals, then a drain at 1 slot busy
-    tracker.add(block("c1", 50, [0, 0, 12, 48, 4]))     # the first block's tokens are startup's
+    # then the engine's busy milliseconds at arrival and at the end (the two calls overlap)
+    tracker.add(block("c1", 50, [0, 0, 12, 48, 4, 0, 900]))     # the first block's tokens are startup's
     time.sleep(0.2)
-    tracker.add(block("c2", 10, [10, 40, 20, 58, 4]))
+    tracker.add(block("c2", 10, [10, 40, 20, 58, 4, 700, 1500]))
     assert tracker.startup_seconds(start) >= 0.2
     assert 20 / 0.5 < tracker.steady_tokens_per_second() <= 20 / 0.2
-    assert tracker.report()[0]["busy_seconds"] == 2.0 and tracker.total_tokens == 120
+    assert tracker.report()[0]["busy_seconds"] == 1.5 and tracker.total_tokens == 120
     assert tracker.slot_occupancy() == {"until_input_ran_out": 1.0, "whole_run": 58 / 80}
+    # with the actors' batch start times: steady = all tokens from the first batch's start on
+    timed = ThroughputTracker()
+    begin = time.time()
+    timed.add(block("c1", 50, [0, 0, 12, 48, 4, 0, 900], started=begin + 0.1))
+    timed.add(block("c2", 10, [10, 40, 20, 58, 4, 700, 1500], started=begin + 0.05))
+    time.sleep(0.3)
+    timed.add(block("c3", 0, [], started=begin + 0.3))
+    assert 0.04 < timed.startup_seconds(begin) < 0.06
+    assert 120 / 0.5 < timed.steady_tokens_per_second() <= 120 / 0.25
