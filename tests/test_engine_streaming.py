@@ -155,3 +155,15 @@ def test_prompt_shared_across_steps_with_a_running_slot(model, static):
     assert engine.prefill_tokens == len(prompt)                 # once for all five samples
     for p, r in zip(params, got):
         assert r.token_ids == OrthrusEngine(model, max_batch_size=1).generate([prompt], p)[0].token_ids
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_freed_slot_lends_its_prompt_only_when_nothing_wrote_there(model, static):
+    """4 samples, 2 slots, all finishing together: the next two reuse the freed slots' prompt (eager)."""
+    prompt = [3, 9, 27, 17, 51]
+    params = [SamplingParams(temperature=0.8, max_new_tokens=7, seed=s, stop_token_ids=()) for s in range(4)]
+    engine = OrthrusEngine(model, max_batch_size=2, static_shapes=static)
+    got = engine.generate([prompt] * 4, params)
+    assert engine.prefill_tokens == len(prompt) * (2 if static else 1)
+    for p, r in zip(params, got):
+        assert r.token_ids == OrthrusEngine(model, max_batch_size=1).generate([prompt], p)[0].token_ids

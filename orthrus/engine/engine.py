@@ -104,6 +104,7 @@ class OrthrusEngine:
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
         self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
         self._abort_slots: list[int] = []               # slots of running requests aborted, freed next step
+        self._retained: dict[int, tuple[int, ...]] = {}  # free slot -> prompt whose K/V it still holds
         self._mode: bool | str = speculative            # the mode of the steps now running
         self.iterations = 0          # decode iterations (cycles or AR steps over the batch) run so far
         self.prefill_tokens = 0      # prompt tokens computed by prefills (a shared prompt counts once)
@@ -209,6 +210,7 @@ class OrthrusEngine:
         self._requests.clear()
         self._aborted.clear()
         self._abort_slots.clear()
+        self._retained.clear()
         self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len)
         self.state.reset()
         self.cache.reset()
@@ -261,6 +263,11 @@ class OrthrusEngine:
         """Free ``slot`` and build its request's output."""
         req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
         del self._requests[req.request_id]
+        # A freed slot keeps its prompt's K/V for later requests with the same prompt, unless
+        # something may have written there: a static-shape iteration pads with free slots, and a row
+        # that died at its prefill ran one dead iteration, which writes at the start of its slot.
+        if not self.static_shapes and stats.num_cycles + stats.num_ar_steps > 0:
+            self._retained[slot] = req.key
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text)
         stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
@@ -303,7 +310,10 @@ class OrthrusEngine:
     def _admit(self) -> None:
         """Seat waiting requests in free slots (FIFO) and prefill them."""
         free, reqs = scheduler.admit(self._waiting, self.table.free_slots())
-        donors = {self.table.requests[s].key: s for s in self.table.occupied().tolist()}
+        donors = {key: s for s, key in self._retained.items()}
+        donors.update((self.table.requests[s].key, s) for s in self.table.occupied().tolist())
+        for slot in free.tolist():       # about to be prefilled (after any copy out of them)
+            self._retained.pop(slot, None)
         now = time.perf_counter()
         for r in reqs:
             r.admitted = now

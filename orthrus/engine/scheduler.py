@@ -4,10 +4,11 @@ FIFO into free slots. A prompt is computed at most once while some slot holds it
 samples of one prompt, which the pipeline submits together): requests admitted in the same step
 that share a prompt are prefilled once and the K/V copied to the others on the device; a request
 whose prompt a *running* slot already holds (a sibling admitted in an earlier step) copies that
-slot's prompt K/V and last hidden state and computes nothing. Every request keeps its own seed and
-random stream, so its first token is still its own sample. Only running slots are donors: their
-cache positions below the prompt length are never written while they run, whereas a free slot may
-be scribbled on as padding of a static-shape iteration.
+slot's prompt K/V and last hidden state and computes nothing; so does a request whose prompt a
+*freed* slot still holds, where the engine knows nothing wrote there since (eager iterations only:
+a static-shape iteration pads with free slots). Every request keeps its own seed and random stream,
+so its first token is still its own sample. A running slot never writes its positions below the
+prompt length.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def admit(waiting: deque[Request], free: np.ndarray) -> tuple[np.ndarray, list[R
 def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int],
                   device: torch.device) -> tuple[PrefillBatch, int]:
     """The device batch that prefills ``reqs`` into ``slots`` (see ``PrefillBatch``), given the
-    running slots' prompts (``donors``: prompt → slot) → (batch, prompt tokens it computes)."""
+    prompts other slots hold intact (``donors``: prompt → slot) → (batch, prompt tokens it computes)."""
     distinct: dict[tuple[int, ...], int] = {}
     owners: list[int] = []
     copies, lent = [], []                         # (from slot, to slot): after / before the forward
