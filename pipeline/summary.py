@@ -162,7 +162,7 @@ def render_table(summary: dict, where: str) -> str:
         f"  this run       {run['rows_generated']} rows, {run['completion_tokens']:,} tokens in "
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",
-        f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s to the first block, then "
+        f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s until the first batch reached an actor, then "
         f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s; slots busy "
         f"{_fmt(run.get('slot_occupancy') and 100 * run['slot_occupancy'], '.0f')}% while input lasted",
         f"  tokens/cycle   mean per row {_fmt(tpc['mean_per_row'])} | token-weighted "
