@@ -52,6 +52,23 @@ def preflight(config: JobConfig) -> Prepared:
     return Prepared(config, inputs, out)
 
 
+def _commit_blocks(dataset, out: OutputDir, schema, tracker: ThroughputTracker, progress: Callable[[], str],
+                   echo: Callable[[str], None]) -> None:
+    """Commit every block of ``dataset`` as one part file, as it arrives."""
+    batches = iter(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
+    try:
+        for batch in batches:
+            if batch.num_rows:
+                tracker.add(batch)
+                part = out.commit(to_output_table(batch, schema))
+                echo(f"[orthrus] committed {part.name}: {batch.num_rows} rows ({progress()} done)")
+    finally:
+        # On an early exit (a failed commit) stop the streaming executor now, while Ray is still up:
+        # left to garbage collection, its threads outlive a later ray.shutdown() and can take the
+        # driver process down with them (seen with several batches in flight per actor).
+        batches.close()
+
+
 def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
         echo: Callable[[str], None] = print) -> dict:
     """Run the dataset (Ray must be initialised), commit every block, write and return the summary."""
@@ -71,19 +88,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     tracker = ThroughputTracker()
     dataset = build_dataset(config, inputs, finished, placement, stage_cls)
     expected = inputs.num_rows * config.sampling.n
-    batches = iter(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
-    try:
-        for batch in batches:
-            if batch.num_rows:
-                tracker.add(batch)
-                part = out.commit(to_output_table(batch, schema))
-                echo(f"[orthrus] committed {part.name}: {batch.num_rows} rows "
-                     f"({len(finished) + tracker.total_rows}/{expected} done)")
-    finally:
-        # On an early exit (a failed commit) stop the streaming executor now, while Ray is still up:
-        # left to garbage collection, its threads outlive a later ray.shutdown() and can take the
-        # driver process down with them (seen with several batches in flight per actor).
-        batches.close()
+    _commit_blocks(dataset, out, schema, tracker, lambda: f"{len(finished) + tracker.total_rows}/{expected}", echo)
     wall = time.time() - start
     run_info = {
         "run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "rows_expected": expected,

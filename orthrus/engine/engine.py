@@ -67,14 +67,7 @@ class OrthrusEngine:
         self.block_size = int(block_size if block_size is not None else model.block_size)
         self.max_seq_len = int(max_seq_len if max_seq_len is not None
                                else min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {self.block_size}")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        _check_sizes(max_batch_size, self.block_size, self.max_seq_len, attention)
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.vocab_size = int(cfg.vocab_size)
@@ -358,6 +351,17 @@ class EngineStepError(RuntimeError):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.cause = cause
+
+
+def _check_sizes(max_batch_size: int, block_size: int, max_seq_len: int, attention: str) -> None:
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {block_size}")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
 
 
 def _check_mode(speculative: bool | str) -> None:
