@@ -280,6 +280,7 @@ class OrthrusEngine:
         done, reasons, tokens, live = self.table.record(slots, out, k)
         if policy:
             policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
+        # SYNC: none — numpy on the host, not a device read
         ended = dict(zip(done.tolist(), reasons.tolist()))
         hits = self._scan_stops(slots)
         cut = [s for s in hits if s not in ended]
@@ -291,6 +292,7 @@ class OrthrusEngine:
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
         hits: dict[int, StopHit] = {}
+        # SYNC: none — numpy on the host, not a device read
         for slot in slots[self.table.has_stops[slots]].tolist():
             req, tokens = self.table.requests[slot], self.table.generated(slot)
             if len(tokens) > req.scanned:
@@ -304,7 +306,9 @@ class OrthrusEngine:
         """Seat waiting requests in free slots (FIFO) and prefill them."""
         free, reqs = scheduler.admit(self._waiting, self.table.free_slots())
         donors = {key: s for s, key in self._retained.items()}
+        # SYNC: none — numpy on the host, not a device read
         donors.update((self.table.requests[s].key, s) for s in self.table.occupied().tolist())
+        # SYNC: none — numpy on the host, not a device read
         for slot in free.tolist():       # about to be prefilled (after any copy out of them)
             self._retained.pop(slot, None)
         now = time.perf_counter()

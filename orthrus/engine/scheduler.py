@@ -34,6 +34,7 @@ def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int
     distinct: dict[tuple[int, ...], int] = {}
     owners: list[int] = []
     copies, lent = [], []                         # (from slot, to slot): after / before the forward
+    # SYNC: none — numpy on the host, not a device read
     for r, slot in zip(reqs, slots.tolist()):
         if r.key in donors:
             lent.append((donors[r.key], slot))
@@ -49,6 +50,7 @@ def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int
 
     def long(xs: list[int]) -> torch.Tensor:
         return torch.as_tensor(xs, dtype=torch.long, device=device)
+    # SYNC: none — numpy on the host, not a device read
     batch = PrefillBatch(long(slots.tolist()), long([len(r.prompt) for r in reqs]), padded.to(device),
                          long([len(p) for p in distinct]), long(owners), long([c[0] for c in copies]),
                          long([c[1] for c in copies]), long([c[0] for c in lent]), long([c[1] for c in lent]),

@@ -39,6 +39,7 @@ class StopStringScanner:
     def scan(self, tokens: np.ndarray, scanned: int, stops: tuple[str, ...]) -> StopHit | None:
         """Search ``tokens`` (all generated so far; the first ``scanned`` were searched before)."""
         overlap = 4 * max(len(s) for s in stops) + 8
+        # SYNC: none — numpy on the host, not a device read
         window = self.decode(tokens[max(0, scanned - overlap):].tolist())
         if not any(s in window for s in stops):
             return None
@@ -46,6 +47,7 @@ class StopStringScanner:
 
     def cut(self, tokens: np.ndarray, stops: tuple[str, ...]) -> StopHit | None:
         """The earliest stop string in the completion and the longest token prefix before it."""
+        # SYNC: none — numpy on the host, not a device read
         ids = tokens.tolist()
         text = self.decode(ids)
         hits = [(text.find(s), s) for s in stops if s in text]
