@@ -4,7 +4,8 @@
     ray job submit --working-dir . -- python -m jobs.generate --config FILE   # on a cluster
 
 Options: ``--set section.field=value`` (repeatable) overrides the YAML; ``--resume`` continues an
-existing output dir; ``--overwrite`` replaces it. Exit status: 0 done; 1 finished but incomplete;
+existing output dir; ``--overwrite`` replaces it. Exit status: 0 done; 1 finished but incomplete
+(or stopped by ``behaviour.max_wall_seconds``: ``--resume`` continues);
 2 the config, inputs or output dir were rejected before any model loaded; 3 writing the output
 failed mid-run (disk full, permissions) -- the parts already committed are complete, so fix the
 cause and rerun with ``--resume``.

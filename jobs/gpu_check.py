@@ -6,6 +6,7 @@
    CUDA, greedy and seeded sampling, eager SDPA vs static shapes replayed from CUDA graphs — token
    for token. With flash-attn importable, the same in bf16 for flash + graphs vs eager SDPA, reported
    as the share of identical rows (bf16 reductions of different shapes may flip near-ties; DESIGN §3).
+   Also bf16 speculative vs plain AR: what the job's lossless audit would report on a bf16 GPU run.
 2. ``jobs.bench --device cuda``: bf16 Qwen3-1.7B-shaped random weights, K = 32, B ∈ {1, 8, 32, 128},
    cycle time ÷ AR step time, written to ``<out>/bench-cuda.json`` and its plot (without flash-attn,
    also SDPA + CUDA graphs at B ∈ {1, 8}: ``bench-cuda-sdpa-graphs.json``).
@@ -55,9 +56,13 @@ def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, ma
         eager = _tokens(model, prompts, params, attention="sdpa", static_shapes=False)
         graphs = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)   # SDPA graphs: forced
         report[f"fp32_{name}_graphs_vs_eager"] = _agreement(graphs, eager)
+    half = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device=device)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    # What the job's lossless audit (audit.fraction) reports on a bf16 run: speculative vs plain AR.
+    report["bf16_greedy_speculative_vs_ar"] = _agreement(
+        _tokens(half, prompts, params, attention="sdpa", speculative=True),
+        _tokens(half, prompts, params, attention="sdpa", speculative=False))
     if flash.unavailable_reason(torch.device(device), torch.bfloat16) is None:
-        half = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device=device)
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
         eager = _tokens(half, prompts, params, attention="sdpa", static_shapes=False)
         fast = _tokens(half, prompts, params, attention="flash", static_shapes=True)
         report["bf16_greedy_flash_graphs_vs_eager"] = _agreement(fast, eager)

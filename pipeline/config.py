@@ -146,16 +146,33 @@ class ResourcesConfig(_Section):
 
 
 class BehaviourConfig(_Section):
-    """What to do with an existing output directory."""
+    """What to do with an existing output directory, and the guards that bound a run."""
 
     resume: bool = Field(False, description="Continue into an existing output dir, skipping finished rows.")
     overwrite: bool = Field(False, description="Delete an existing output dir (of a previous run) first.")
+    row_timeout_s: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=(
+        "A row that holds its engine slot longer than this (seconds from admission) is aborted and "
+        "becomes an error row saying so; its slot goes to the next row. None = no limit."))
+    max_wall_seconds: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=(
+        "End the job cleanly after this many seconds: what was committed stays complete, the "
+        "summary is written, the exit status is 1 and --resume continues. None = no limit."))
 
     @model_validator(mode="after")
     def _exclusive(self) -> "BehaviourConfig":
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite are mutually exclusive")
         return self
+
+
+class AuditConfig(_Section):
+    """The lossless audit: re-decode some greedy rows with plain AR and compare (``pipeline/audit.py``)."""
+
+    fraction: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Fraction of greedy rows each actor re-decodes with plain AR on the same model, picked by a "
+        "hash of the id (a rerun picks the same rows); the output gets audit_match and "
+        "audit_first_divergence. 0 = off; 0.01 costs about 1-2% more decoding."))
+    max_batch_size: int = Field(4, ge=1, description=(
+        "Slots of the audit engine in each actor (its KV cache is allocated for max_seq_len in each)."))
 
 
 class JobConfig(_Section):
@@ -168,7 +185,8 @@ class JobConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling defaults.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine settings.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Actor resources.")
-    behaviour: BehaviourConfig = Field(default_factory=BehaviourConfig, description="Resume / overwrite.")
+    behaviour: BehaviourConfig = Field(default_factory=BehaviourConfig, description="Resume / overwrite / guards.")
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="Lossless audit against plain AR.")
 
 
 def _describe(err: ValidationError, source: str) -> str:

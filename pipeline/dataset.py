@@ -20,6 +20,9 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
     import ray.data
 
     derive_ids = inputs.id_column is None
+    # The driver shows one progress bar of its own (rows committed of expected, tokens/s, ETA);
+    # Ray Data's per-operator bars would interleave with it.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     faults = from_environment()
     FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
     ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
@@ -34,6 +37,8 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
         stage_cls,
         fn_constructor_kwargs={"plan": StagePlan(model=config.model, engine=config.engine,
                                                  sampling=config.sampling, use_gpu=placement.use_gpu,
+                                                 audit=config.audit,
+                                                 row_timeout_s=config.behaviour.row_timeout_s,
                                                  fault_inject=faults)},
         batch_size=config.engine.batch_size,
         batch_format="pyarrow",

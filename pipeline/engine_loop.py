@@ -10,6 +10,12 @@ Failures: if a step raises, the engine drops every request (``EngineStepError``)
 in it fails with the cause. Such a failure does not say which row was at fault, so the caller
 retries with *exclusive* groups: an exclusive group waits until the engine is empty, runs alone
 (no other group is started meanwhile) and its failure is attributable to its own rows.
+
+The loop can also own an *audit* engine (plain AR on the same model weights, its own small KV
+cache): groups sent there (``engine="audit"``) re-decode rows to check the main engine's output.
+Both engines are stepped by this one thread, alternately, so device work is never issued from two
+threads (CUDA graph capture forbids that). A ``row_timeout_s`` aborts main-engine requests that
+have held their slot longer; they come back with ``finish_reason == "abort"``.
 """
 from __future__ import annotations
 
@@ -20,6 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from orthrus import EngineStepError, OrthrusEngine, RequestOutput, SamplingParams
+
+
+MAIN, AUDIT = "main", "audit"
+_TIMEOUT_CHECK_S = 0.2        # how often running requests are compared with the row timeout
 
 
 class GroupFailed(Exception):
@@ -38,6 +48,7 @@ class _Group:
     exclusive: bool
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    engine: str = MAIN
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
 
@@ -55,16 +66,21 @@ class Occupancy:
 class EngineLoop:
     """Owns ``engine`` and steps it in a daemon thread; ``await run(...)`` decodes one group."""
 
-    def __init__(self, engine: OrthrusEngine) -> None:
+    def __init__(self, engine: OrthrusEngine, audit_engine: OrthrusEngine | None = None,
+                 row_timeout_s: float | None = None) -> None:
         self.engine = engine
+        self.engines = {MAIN: engine, **({AUDIT: audit_engine} if audit_engine is not None else {})}
+        self.row_timeout_s = row_timeout_s
         self._cv = threading.Condition()
         self._inbox: list[_Group] = []
         self._cancelled: list[_Group] = []
         self._held: deque[_Group] = deque()        # normal groups waiting for exclusive ones to end
         self._exclusive: deque[_Group] = deque()
-        self._active: dict[str, _Group] = {}       # request id -> its group, for groups in the engine
+        self._active: dict[str, _Group] = {}       # request id -> its group, for groups in an engine
         self._running_exclusive = False
-        self._engine_seconds = 0.0
+        self._engine_seconds = 0.0                 # inside steps of either engine (device busy time)
+        self._next_timeout_check = 0.0
+        self.timed_out = 0                         # requests aborted by the row timeout so far
         self._thread = threading.Thread(target=self._loop, name="orthrus-engine", daemon=True)
         self._thread.start()
 
@@ -74,13 +90,16 @@ class EngineLoop:
         return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000))
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams],
-                  exclusive: bool = False) -> list[RequestOutput]:
+                  exclusive: bool = False, engine: str = MAIN) -> list[RequestOutput]:
         """Decode these rows (in the engine with other groups, or alone) → outputs in row order.
 
-        Raises :class:`GroupFailed` if a step failed while they were in the engine.
+        ``engine="audit"``: in the audit engine (never exclusive). Raises :class:`GroupFailed` if a
+        step failed while they were in the engine.
         """
+        if engine not in self.engines:
+            raise ValueError(f"no {engine!r} engine in this loop (engines: {sorted(self.engines)})")
         loop = asyncio.get_running_loop()
-        group = _Group(prompts, params, exclusive, loop, loop.create_future())
+        group = _Group(prompts, params, exclusive and engine == MAIN, loop, loop.create_future(), engine)
         with self._cv:
             self._inbox.append(group)
             self._cv.notify()
@@ -103,10 +122,15 @@ class EngineLoop:
                 for g in cancelled:
                     self._cancel(g)
                 for g in inbox:
-                    (self._exclusive if g.exclusive else self._held).append(g)
+                    if g.engine != MAIN:
+                        self._start(g)          # the audit engine has no exclusive groups
+                    else:
+                        (self._exclusive if g.exclusive else self._held).append(g)
                 self._start_groups()
-                if self._active:
-                    self._step()
+                self._expire()
+                for name, engine in self.engines.items():
+                    if engine.has_unfinished_requests():
+                        self._step(name, engine)
             except Exception as err:  # noqa: BLE001 - a bug here must fail the batches, not hang them
                 self._fail_everything(err)
 
@@ -116,7 +140,8 @@ class EngineLoop:
         self._active.clear()
         self._held.clear()
         self._exclusive.clear()
-        self.engine.reset()
+        for engine in self.engines.values():
+            engine.reset()
         for g in groups:
             self._fail(g, err)
 
@@ -125,7 +150,7 @@ class EngineLoop:
         if self._running_exclusive:
             return
         if self._exclusive:
-            if not self._active:
+            if all(g.engine != MAIN for g in self._active.values()):    # the main engine is empty
                 self._running_exclusive = True
                 self._start(self._exclusive.popleft())
             return
@@ -133,9 +158,10 @@ class EngineLoop:
             self._start(self._held.popleft())
 
     def _start(self, group: _Group) -> None:
+        engine = self.engines[group.engine]
         try:
             for prompt, p in zip(group.prompts, group.params):
-                rid = self.engine.add_request(prompt, p)
+                rid = engine.add_request(prompt, p)
                 group.ids.append(rid)
                 self._active[rid] = group
         except Exception as err:  # noqa: BLE001 - the group fails, the loop lives on
@@ -149,7 +175,7 @@ class EngineLoop:
         """Abort a group's requests (their outputs, returned by a later step, are ignored)."""
         for rid in group.ids:
             if self._active.pop(rid, None) is not None:
-                self.engine.abort_request(rid)
+                self.engines[group.engine].abort_request(rid)
         if group.exclusive:
             self._running_exclusive = False
 
@@ -159,13 +185,25 @@ class EngineLoop:
                 queue.remove(group)
         self._drop(group)
 
-    def _step(self) -> None:
+    def _expire(self) -> None:
+        """Abort main-engine requests that have held a slot longer than the row timeout."""
+        now = time.perf_counter()
+        if self.row_timeout_s is None or now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + min(_TIMEOUT_CHECK_S, self.row_timeout_s / 4)
+        for rid, seconds in self.engine.running_seconds().items():
+            if seconds > self.row_timeout_s and rid in self._active:
+                self.engine.abort_request(rid)   # returned by the next step with finish_reason "abort"
+                self.timed_out += 1
+
+    def _step(self, name: str, engine: OrthrusEngine) -> None:
         start = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = engine.step()
         except EngineStepError as err:
-            groups = {id(g): g for g in self._active.values()}.values()
-            self._active.clear()
+            groups = {id(g): g for g in self._active.values() if g.engine == name}.values()
+            for rid in [rid for rid, g in self._active.items() if g.engine == name]:
+                del self._active[rid]
             for g in groups:
                 self._fail(g, err.cause)
             return

@@ -7,6 +7,7 @@ surface from the engine. Directives (comma-separated)::
 
     oom_if_batch_gt:N   every generate call with more than N rows runs out of memory
     oom_on_id:ID        every generate call that holds the row with id ID runs out of memory
+    sleep_per_batch:S   every batch takes S seconds longer (a slow device; for the wall-time guard)
 
 e.g. ``ORTHRUS_FAULT_INJECT=oom_if_batch_gt:2,oom_on_id:row-7``. The driver reads the variable
 (``dataset.build_dataset``) and ships it to the actors in ``StagePlan.fault_inject``, so it acts on
@@ -14,6 +15,7 @@ every node; an active injector announces itself in the actor log. Never set it i
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 
@@ -33,22 +35,31 @@ class FaultInjector:
 
     max_rows: int | None = None
     oom_ids: frozenset[str] = frozenset()
+    sleep_s: float = 0.0
 
     @classmethod
     def parse(cls, spec: str | None) -> "FaultInjector | None":
         """Parse a spec; a malformed one is an error (a silently ignored fault would fake a pass)."""
         if not spec:
             return None
-        max_rows, ids = None, set()
+        max_rows, ids, sleep_s = None, set(), 0.0
         for item in spec.split(","):
             kind, sep, arg = item.strip().partition(":")
             if kind == "oom_if_batch_gt" and sep and arg.isdigit():
                 max_rows = int(arg)
             elif kind == "oom_on_id" and sep and arg:
                 ids.add(arg)
+            elif kind == "sleep_per_batch" and sep and arg.replace(".", "", 1).isdigit():
+                sleep_s = float(arg)
             else:
-                raise ValueError(f"{FAULT_ENV}: cannot parse {item!r} (expected oom_if_batch_gt:N or oom_on_id:ID)")
-        return cls(max_rows, frozenset(ids))
+                raise ValueError(f"{FAULT_ENV}: cannot parse {item!r} (expected oom_if_batch_gt:N, oom_on_id:ID "
+                                 "or sleep_per_batch:S)")
+        return cls(max_rows, frozenset(ids), sleep_s)
+
+    async def slow_down(self) -> None:
+        """Sleep ``sleep_per_batch`` seconds (without blocking the actor's other batches)."""
+        if self.sleep_s:
+            await asyncio.sleep(self.sleep_s)
 
     def before_generate(self, ids: list[str]) -> None:
         """Raise ``torch.OutOfMemoryError`` if this call must fail."""

@@ -1,6 +1,8 @@
 """One generation job: preflight (no Ray, no model), then run on a connected Ray and summarise."""
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +13,7 @@ from pipeline.dataset import build_dataset
 from pipeline.inputs import InputPlan, inspect_inputs
 from pipeline.model_files import load_tokenizer, resolve_model_dir
 from pipeline.output import OutputDir
+from pipeline.progress import Progress
 from pipeline.prompts import uses_chat_template
 from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.schema import output_schema, to_output_table
@@ -52,21 +55,101 @@ def preflight(config: JobConfig) -> Prepared:
     return Prepared(config, inputs, out)
 
 
-def _commit_blocks(dataset, out: OutputDir, schema, tracker: ThroughputTracker, progress: Callable[[], str],
-                   echo: Callable[[str], None]) -> None:
-    """Commit every block of ``dataset`` as one part file, as it arrives."""
+def _commit_blocks(dataset, out: OutputDir, schema, tracker: ThroughputTracker, progress: Progress,
+                   deadline: float | None) -> bool:
+    """Commit every block of ``dataset`` as one part file, as it arrives → whether the deadline
+    (``time.time()``) stopped it first."""
     batches = iter(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
+    if deadline is not None:
+        return _commit_until(batches, deadline, lambda b: _commit(b, out, schema, tracker, progress))
     try:
         for batch in batches:
-            if batch.num_rows:
-                tracker.add(batch)
-                part = out.commit(to_output_table(batch, schema))
-                echo(f"[orthrus] committed {part.name}: {batch.num_rows} rows ({progress()} done)")
+            _commit(batch, out, schema, tracker, progress)
     finally:
         # On an early exit (a failed commit) stop the streaming executor now, while Ray is still up:
         # left to garbage collection, its threads outlive a later ray.shutdown() and can take the
         # driver process down with them (seen with several batches in flight per actor).
         batches.close()
+    return False
+
+
+def _commit(batch, out: OutputDir, schema, tracker: ThroughputTracker, progress: Progress) -> None:
+    if batch.num_rows:
+        tracker.add(batch)
+        out.commit(to_output_table(batch, schema))
+        progress.update(batch.num_rows, tracker.steady_tokens_per_second())
+
+
+def _commit_until(batches, deadline: float, commit: Callable) -> bool:
+    """Like the loop above, but the blocks are pulled in a daemon thread, so that the deadline is
+    kept while no block arrives. At the deadline nothing more is committed (a commit in progress
+    completes first); the blocks still in flight are generated again by ``--resume``."""
+    blocks: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for batch in batches:
+                if not _put(blocks, ("block", batch), stop):
+                    return
+            _put(blocks, ("end", None), stop)
+        except BaseException as e:  # noqa: BLE001 - handed to the committing thread
+            _put(blocks, ("error", e), stop)
+        finally:
+            batches.close()
+
+    threading.Thread(target=pump, name="orthrus-blocks", daemon=True).start()
+    try:
+        while (remaining := deadline - time.time()) > 0:
+            try:
+                kind, item = blocks.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if kind == "end":
+                return False
+            if kind == "error":
+                raise item
+            commit(item)
+        return True
+    finally:
+        stop.set()
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put unless ``stop`` is set first → whether it was put."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement) -> dict:
+    """The run's rows, tokens, rates, occupancy, placement, actors and cost (``summary.json["run"]``)."""
+    occupancy = tracker.slot_occupancy()
+    return {
+        "rows_generated": tracker.total_rows, "completion_tokens": tracker.total_tokens,
+        "tokens_per_second": tracker.total_tokens / wall if wall else None,
+        "startup_seconds": tracker.startup_seconds(start),
+        "steady_tokens_per_second": tracker.steady_tokens_per_second(),
+        "slot_occupancy": occupancy["until_input_ran_out"], "slot_occupancy_whole_run": occupancy["whole_run"],
+        "placement": {"replicas": placement.replicas, "gpus_per_replica": placement.gpus_per_replica,
+                      "cpus_per_replica": placement.cpus_per_replica},
+        "actors": tracker.report(),
+        "cost": _cost(placement, wall, tracker),
+    }
+
+
+def _cost(placement, wall: float, tracker: ThroughputTracker) -> dict:
+    """Device-seconds this run held (replicas x devices each x wall time) and kept busy (engine time)."""
+    device = "gpu" if placement.use_gpu else "cpu"
+    per_replica = placement.gpus_per_replica if placement.use_gpu else placement.cpus_per_replica
+    reserved = wall * placement.replicas * per_replica
+    busy = sum(a["busy_seconds"] for a in tracker.report()) * per_replica
+    return {"device": device, "device_seconds_reserved": round(reserved, 3), "device_seconds_busy": round(busy, 3),
+            "tokens_per_device_hour": round(tracker.total_tokens / reserved * 3600, 1) if reserved else None}
 
 
 def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
@@ -88,21 +171,20 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     tracker = ThroughputTracker()
     dataset = build_dataset(config, inputs, finished, placement, stage_cls)
     expected = inputs.num_rows * config.sampling.n
-    _commit_blocks(dataset, out, schema, tracker, lambda: f"{len(finished) + tracker.total_rows}/{expected}", echo)
+    limit = config.behaviour.max_wall_seconds
+    progress = Progress(expected, len(finished), echo)
+    try:
+        stopped = _commit_blocks(dataset, out, schema, tracker, progress, None if limit is None else start + limit)
+    finally:
+        progress.close()
     wall = time.time() - start
-    run_info = {
-        "run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "rows_expected": expected,
-        "rows_skipped_as_finished": len(finished), "rows_generated": tracker.total_rows,
-        "completion_tokens": tracker.total_tokens,
-        "tokens_per_second": tracker.total_tokens / wall if wall else None,
-        "startup_seconds": tracker.startup_seconds(start),
-        "steady_tokens_per_second": tracker.steady_tokens_per_second(),
-        "slot_occupancy": tracker.slot_occupancy()["until_input_ran_out"],
-        "slot_occupancy_whole_run": tracker.slot_occupancy()["whole_run"],
-        "placement": {"replicas": placement.replicas, "gpus_per_replica": placement.gpus_per_replica,
-                      "cpus_per_replica": placement.cpus_per_replica},
-        "actors": tracker.report(),
-    }
+    if stopped:
+        echo(f"[orthrus] behaviour.max_wall_seconds={limit:g} reached: stopped after {wall:.0f} s with "
+             f"{len(finished) + tracker.total_rows}/{expected} rows committed. The committed parts are complete; "
+             "rerun with --resume to continue")
+    run_info = {"run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "rows_expected": expected,
+                "stopped_by": "max_wall_seconds" if stopped else None, "rows_skipped_as_finished": len(finished),
+                **_throughput(tracker, start, wall, placement)}
     summary = summarize(out, run_info, config.model_dump(mode="json"))
     echo(render_table(summary, str(out.root)))
     if summary["rows"]["duplicate_keys"]:  # impossible with one writer; loud if two jobs shared the dir

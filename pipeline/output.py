@@ -184,7 +184,15 @@ class OutputDir:
         if not files:
             empty = pa.schema(OUTPUT_FIELDS).empty_table()
             return empty.select(columns) if columns else empty
-        return pds.dataset(files, format="parquet").to_table(columns=columns)
+        # Unified over every part: parts written before a column was added read it as null.
+        schema = pa.unify_schemas([pq.read_schema(f) for f in files], promote_options="permissive")
+        present = [c for c in columns if c in schema.names] if columns else None
+        table = pds.dataset(files, format="parquet", schema=schema).to_table(columns=present)
+        for name in columns or []:
+            if name not in table.column_names:
+                typ = next((f.type for f in OUTPUT_FIELDS if f.name == name), pa.null())
+                table = table.append_column(pa.field(name, typ), pa.nulls(table.num_rows, typ))
+        return table.select(columns) if columns else table
 
     def finished_keys(self) -> pa.Array:
         """Keys (id, sample_index) of every committed row: the resume skip set."""

@@ -24,7 +24,11 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("tokens_per_cycle", pa.float64()),
     pa.field("accept_length_histogram", pa.list_(pa.int64())),
     pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion
-    pa.field("decode_seconds", pa.float64()),
+    pa.field("time_waiting_s", pa.float64()),        # in the engine's queue, waiting for a slot
+    pa.field("time_in_engine_s", pa.float64()),      # from admission into a slot to the row's end
+    pa.field("batch_wall_seconds", pa.float64()),    # wall time of the row's whole batch in the actor
+    pa.field("audit_match", pa.bool_()),             # null unless audited: equal to plain AR decoding
+    pa.field("audit_first_divergence", pa.int64()),  # null unless an audited row diverged
     pa.field("seed", pa.int64()),
     pa.field("model", pa.string()),
 )

@@ -5,7 +5,10 @@ hands the actor several batches at once (``engine.max_concurrent_batches``); eac
 rows to the engine and awaits them, so the engine's slots stay busy across batch boundaries while a
 batch still returns when its own rows are done (the batch stays the committed unit: exactly-once is
 unchanged). Stop strings end rows inside the engine. Results are detokenized here
-(``postprocess.py``).
+(``postprocess.py``). With ``audit.fraction`` > 0 an audit engine (plain AR, same weights) in the
+same loop re-decodes the audited greedy rows while the batch decodes (``audit.py``);
+``behaviour.row_timeout_s`` aborts rows that hold a slot too long (error rows). Each finished batch
+updates the actor's live metrics (``metrics.py``).
 
 Failures: the engine's request checks turn bad rows into error rows. If the engine raises while a
 batch's rows are in it -- out of memory included -- the batch is retried *alone* in the engine,
@@ -16,6 +19,7 @@ and its batches retried. ``faults.py`` can simulate the out-of-memory case for t
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -27,9 +31,11 @@ import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline import schema as S
-from pipeline.config import EngineConfig, ModelConfig, SamplingConfig
-from pipeline.engine_loop import EngineLoop, GroupFailed, Occupancy
+from pipeline.audit import first_divergence, is_audited
+from pipeline.config import AuditConfig, EngineConfig, ModelConfig, SamplingConfig
+from pipeline.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy
 from pipeline.faults import FAULT_ENV, FaultInjector
+from pipeline.metrics import ActorMetrics
 from pipeline.model_files import load_tokenizer, resolve_model_dir
 from pipeline.postprocess import detokenize_batch
 
@@ -44,6 +50,8 @@ class StagePlan:
     engine: EngineConfig
     sampling: SamplingConfig
     use_gpu: bool
+    audit: AuditConfig = AuditConfig()
+    row_timeout_s: float | None = None
     fault_inject: str | None = None   # test-only, see faults.py; None in production
 
 
@@ -72,15 +80,14 @@ class GenerationStage:
         model_dir = resolve_model_dir(plan.model)
         model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device),
                                                    device=self.device)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.engine = OrthrusEngine(model, max_batch_size=plan.engine.max_batch_size,
-                                    block_size=plan.engine.block_size, max_seq_len=plan.engine.max_seq_len,
-                                    attention=plan.engine.attention,
-                                    static_shapes=None if plan.engine.cuda_graphs else False,
-                                    speculative=plan.engine.speculative, tokenizer=self.tokenizer)
+        self.tokenizer = load_tokenizer(model_dir)   # before the engines: they detect stop strings
+        self.engine = self._engine(model, plan.engine.max_batch_size, plan.engine.speculative)
+        # The audit engine: plain AR on the same weights, its own (small) KV cache, same loop thread.
+        audit = self._engine(model, plan.audit.max_batch_size, False) if plan.audit.fraction > 0 else None
         self.stop_ids = set(self.engine.eos_token_ids) | set(plan.sampling.stop_token_ids)
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, audit, plan.row_timeout_s)
         self.actor, self.gpu_ids = _actor_identity()
+        self.metrics = _actor_metrics(self.actor)
         self.total_tokens = 0
         self.faults = FaultInjector.parse(plan.fault_inject)
         if self.faults:
@@ -89,6 +96,12 @@ class GenerationStage:
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}] device={self.device} "
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
+
+    def _engine(self, model: OrthrusForCausalLM, slots: int, speculative: bool | str) -> OrthrusEngine:
+        e = self.plan.engine
+        return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
+                             attention=e.attention, static_shapes=None if e.cuda_graphs else False,
+                             speculative=speculative, tokenizer=self.tokenizer)
 
     def _params(self, batch: pa.Table) -> list[SamplingParams | None]:
         cols = {name: batch[name].to_pylist() for name in
@@ -165,20 +178,53 @@ class GenerationStage:
         params = self._params(batch)
         todo = self._check(prompts, params, errors)
         results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
+        audits: list[int | None | bool] = [False] * batch.num_rows   # False: not audited, else divergence
+        if self.faults:
+            await self.faults.slow_down()
         if todo:
             ids = batch["id"].to_pylist()
-            out = await self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo])
+            audited = [i for i in todo if params[i].temperature == 0 and is_audited(ids[i], self.plan.audit.fraction)]
+            out, ar = await asyncio.gather(
+                self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo]),
+                self._audit([prompts[i] for i in audited], [params[i] for i in audited]))
             for i, r in zip(todo, out):
-                results[i] = r
-                if isinstance(r, Exception):
-                    errors[i] = f"decoding failed: {type(r).__name__}: {r}"
+                results[i] = self._finished(r, i, errors)
+            for i, r in zip(audited, ar):
+                if isinstance(results[i], RequestOutput) and r is not None:
+                    audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
-        table = self._assemble(batch, results, errors, params, (started, seconds),
+        table = self._assemble(batch, results, errors, params, audits, (started, seconds),
                                (arrival, self.loop.occupancy()))
         table = detokenize_batch(table, self.tokenizer)
+        end = self.loop.occupancy()
+        if self.metrics is not None:
+            self.metrics.record(table, end.iterations, end.busy_slot_iterations, end.slots)
         self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
-                  time.perf_counter() - call_start, self.loop.occupancy().engine_ms / 1000)
+                  time.perf_counter() - call_start, end.engine_ms / 1000)
         return table
+
+    def _finished(self, r: RequestOutput | Exception, i: int, errors: list[str | None]) -> RequestOutput | None:
+        """A decoded row's result, or None with ``errors[i]`` set (a failed or timed-out row)."""
+        if isinstance(r, Exception):
+            errors[i] = f"decoding failed: {type(r).__name__}: {r}"
+            return None
+        if r.finish_reason == "abort":   # only the row timeout aborts a request that reaches here
+            errors[i] = (f"row timeout: aborted after {r.engine_seconds:.1f} s in the engine "
+                         f"(behaviour.row_timeout_s={self.plan.row_timeout_s:g}) with {len(r.token_ids)} "
+                         "tokens generated")
+            return None
+        return r
+
+    async def _audit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput | None]:
+        """Plain-AR re-decodes of the audited rows (None for each if the audit engine failed)."""
+        if not prompts:
+            return []
+        try:
+            return await self.loop.run(prompts, params, engine=AUDIT)
+        except GroupFailed as e:    # the audit is evidence, not output: a failure loses no row
+            print(f"[orthrus] actor {self.actor}: the audit of {len(prompts)} rows failed ({e}); their audit "
+                  "columns stay null", flush=True)
+            return [None] * len(prompts)
 
     def _text_ids(self, r: RequestOutput) -> list[int]:
         """Generated ids minus the stop token that ended the row (it is not part of the text)."""
@@ -188,7 +234,7 @@ class GenerationStage:
         return ids
 
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None],
-                  params: list[SamplingParams | None], call_time: tuple[float, float],
+                  params: list[SamplingParams | None], audits: list, call_time: tuple[float, float],
                   occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
@@ -206,7 +252,11 @@ class GenerationStage:
             "accept_length_histogram": (pa.list_(pa.int64()), [list(r.stats.accept_length_histogram) if r else None
                                                                for r in ok]),
             "num_tokens_after_stop": (pa.int64(), stat("num_tokens_after_stop")),
-            "decode_seconds": (pa.float64(), [call_seconds if r else None for r in ok]),
+            "time_waiting_s": (pa.float64(), [r.queue_seconds if r else None for r in ok]),
+            "time_in_engine_s": (pa.float64(), [r.engine_seconds if r else None for r in ok]),
+            "batch_wall_seconds": (pa.float64(), [call_seconds] * n),
+            "audit_match": (pa.bool_(), [None if a is False else a is None for a in audits]),
+            "audit_first_divergence": (pa.int64(), [None if a is False else a for a in audits]),
             "seed": (pa.int64(), [p.seed if p else s for p, s in zip(params, batch["seed"].to_pylist())]),
             "model": (pa.string(), [self.plan.model.path] * n),
             S.TEXT_IDS: (pa.list_(pa.int32()), [self._text_ids(r) if r else None for r in ok]),
@@ -230,6 +280,13 @@ class GenerationStage:
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}]: batch of {rows} rows, {tokens} tokens in "
               f"{seconds:.2f}s (actor total {self.total_tokens} tokens, "
               f"{self.total_tokens / max(engine_seconds, 1e-9):.1f} tok/s of engine time)", flush=True)
+
+
+def _actor_metrics(actor: str) -> ActorMetrics | None:
+    """Live metrics through Ray's metrics API; None when the stage runs outside Ray (unit tests)."""
+    import ray
+
+    return ActorMetrics(actor) if ray.is_initialized() else None
 
 
 def _flat(occupancy: tuple[Occupancy, Occupancy]) -> list[int]:

@@ -16,12 +16,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import acceptance_by_position, tokens_per_cycle
+from pipeline.audit import AUDIT_COLUMNS, audit_statistics
 from pipeline.output import SUMMARY_JSON, SUMMARY_PNG, OutputDir
 from pipeline.schema import key_strings
 
 _STAT_COLUMNS = ["id", "sample_index", "finish_reason", "error", "num_prompt_tokens", "num_completion_tokens", "num_cycles",
                  "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle",
-                 "accept_length_histogram", "num_tokens_after_stop"]
+                 "accept_length_histogram", "num_tokens_after_stop", "time_waiting_s", "time_in_engine_s",
+                 *AUDIT_COLUMNS]
 _PACKAGES = ("orthrus-batch", "torch", "transformers", "ray", "pyarrow", "pydantic", "numpy")
 
 
@@ -70,6 +72,15 @@ def _tokens_per_cycle(ok: pa.Table) -> dict[str, float | None]:
             "pooled": pooled, "tpf_pooled": pooled / 2}
 
 
+def _quantiles(col: pa.ChunkedArray) -> dict[str, float] | None:
+    values = np.asarray([v for v in col.to_pylist() if v is not None], dtype=float)
+    if not len(values):
+        return None
+    p50, p90, p99 = np.quantile(values, [0.5, 0.9, 0.99])
+    return {"p50": round(float(p50), 4), "p90": round(float(p90), 4), "p99": round(float(p99), 4),
+            "max": round(float(values.max()), 4)}
+
+
 def row_statistics(table: pa.Table) -> dict:
     """Counts, tokens and speculation statistics over output rows (``_STAT_COLUMNS``)."""
     ok = table.filter(pc.not_equal(table["finish_reason"], "error"))
@@ -95,6 +106,9 @@ def row_statistics(table: pa.Table) -> dict:
             "acceptance_rate_by_position": rate,
             "conditional_acceptance_by_position": cond,
         },
+        # per row: seconds waiting for an engine slot, and from admission to the row's end
+        "row_seconds": {name: _quantiles(ok[name]) if name in ok.column_names else None
+                        for name in ("time_waiting_s", "time_in_engine_s")},
         "error_examples": [{"id": i, "error": e} for i, e in zip(errors["id"].to_pylist(),
                                                                   errors["error"].to_pylist())],
     }
@@ -105,7 +119,9 @@ def summarize(out: OutputDir, run: dict, config: dict) -> dict:
 
     ``run["complete"]`` is set here: every expected (id, sample_index) is in the output, once.
     """
-    stats = row_statistics(out.read(_STAT_COLUMNS))
+    table = out.read(_STAT_COLUMNS)
+    stats = row_statistics(table)
+    stats["audit"] = audit_statistics(table, config.get("audit", {}).get("fraction", 0.0))
     rows = stats["rows"]
     run = {**run, "rows_in_output": rows["total"],
            "complete": rows["total"] == run.get("rows_expected") and not rows["duplicate_keys"]}
@@ -172,6 +188,18 @@ def render_table(summary: dict, where: str) -> str:
         "  by position    " + " ".join(f"{j}:{r:.2f}" for j, r in
                                       enumerate(spec["acceptance_rate_by_position"], start=1)),
     ]
+    audit = summary.get("audit")
+    if audit and audit["rows_audited"]:
+        where = audit["first_divergence"]
+        lines.append(f"  audit          {audit['rows_audited']} greedy rows re-decoded with plain AR: "
+                     f"{audit['exact_matches']} exact, {audit['diverged']} diverged"
+                     + (f" (first differing token at index {where['min']}..{where['max']}, "
+                        f"median {where['median']})" if where else ""))
+    cost = run.get("cost")
+    if cost:
+        lines.append(f"  cost           {cost['device_seconds_reserved']:.0f} {cost['device'].upper()}-seconds held "
+                     f"({cost['device_seconds_busy']:.0f} busy) = {_fmt(cost['tokens_per_device_hour'], ',.0f')} "
+                     f"tokens per {cost['device'].upper()}-hour")
     for a in run["actors"]:
         lines.append(f"  actor          {a['actor']} gpu_ids={a['gpu_ids']}: {a['rows']} rows, "
                      f"{_fmt(a['tokens_per_second'], '.1f')} tok/s")

@@ -78,7 +78,7 @@ def head():
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError("ray head did not start:\n" + (Path(temp) / "head.log").read_text()[-3000:])
                 time.sleep(0.5)
-        yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": url}
+        yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": url, "metrics": f"http://127.0.0.1:{metrics}/metrics"}
     finally:
         for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):  # this head's process group only
             try:
@@ -169,7 +169,7 @@ def test_end_to_end_rows_columns_and_stats(e2e):
         assert r["tokens_per_cycle"] == pytest.approx((r["num_accepted_draft_tokens"] + r["num_cycles"])
                                                       / r["num_cycles"])
         assert sum(L * c for L, c in enumerate(hist)) == r["num_accepted_draft_tokens"]
-        assert 1 <= r["num_completion_tokens"] <= 10 and r["decode_seconds"] > 0
+        assert 1 <= r["num_completion_tokens"] <= 10 and r["time_in_engine_s"] > 0 and r["batch_wall_seconds"] > 0
         assert r["seed"] is not None and r["model"] == e2e["summary"]["config"]["model"]["path"]
     s = e2e["summary"]
     assert s["rows"]["total"] == 46 and s["rows"]["error"] == 10 and s["run"]["complete"]

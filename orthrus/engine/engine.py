@@ -175,6 +175,12 @@ class OrthrusEngine:
         """Requests holding a slot."""
         return int(self.table.busy_mask.sum())
 
+    def running_seconds(self) -> dict[str, float]:
+        """Seconds each running request has held its slot (since admission), by request id; for
+        callers that enforce a time limit with ``abort_request``. Host bookkeeping only."""
+        now = time.perf_counter()
+        return {rid: now - r.admitted for rid, r in self._requests.items() if r.admitted is not None and not r.abort}
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One iteration: free aborted slots, admit waiting requests into free slots (one padded

@@ -1,0 +1,86 @@
+"""Live metrics of each generation actor, exported through Ray's metrics API.
+
+Ray's metrics agent on every node serves them on its Prometheus endpoint
+(``http://<node>:<metrics-export-port>/metrics``, names prefixed ``ray_``; counters end in
+``_total``), which the Ray dashboard's Metrics view and any Prometheus scrape read. Each actor
+updates them when a batch is done, from the rows it is about to return, tagged with the actor
+(``pid@node``):
+
+    orthrus_rows{status=ok|error}              rows returned (counter)
+    orthrus_completion_tokens                  tokens generated (counter)
+    orthrus_cycles, orthrus_draft_tokens,
+    orthrus_accepted_draft_tokens              speculation counters (rates come from these)
+    orthrus_tokens_per_cycle                   accepted drafts + 1 per cycle, this actor so far (gauge)
+    orthrus_draft_acceptance                   accepted / proposed drafts, this actor so far (gauge)
+    orthrus_slot_occupancy                     busy slots / slots since the previous batch ended (gauge)
+    orthrus_audit_rows{result=match|diverged}  rows re-decoded by the lossless audit (counter)
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from orthrus.metrics import tokens_per_cycle
+
+
+def _sum(col: pa.ChunkedArray) -> int:
+    return int(pc.sum(col).as_py() or 0)
+
+
+class ActorMetrics:
+    """The metrics of one actor; ``record`` adds one finished batch."""
+
+    def __init__(self, actor: str) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        tags = {"actor": actor}
+
+        def counter(name: str, description: str, *extra: str) -> Counter:
+            c = Counter(name, description=description, tag_keys=("actor", *extra))
+            c.set_default_tags(tags)
+            return c
+
+        def gauge(name: str, description: str) -> Gauge:
+            g = Gauge(name, description=description, tag_keys=("actor",))
+            g.set_default_tags(tags)
+            return g
+
+        self.rows = counter("orthrus_rows", "Rows returned by the generation actor.", "status")
+        self.tokens = counter("orthrus_completion_tokens", "Completion tokens generated.")
+        self.cycles = counter("orthrus_cycles", "Speculative cycles run (summed over rows).")
+        self.drafts = counter("orthrus_draft_tokens", "Draft tokens proposed.")
+        self.accepted = counter("orthrus_accepted_draft_tokens", "Draft tokens accepted.")
+        self.audit = counter("orthrus_audit_rows", "Rows re-decoded with plain AR by the lossless audit.", "result")
+        self.tpc = gauge("orthrus_tokens_per_cycle", "Accepted drafts + 1 per cycle, this actor so far.")
+        self.acceptance = gauge("orthrus_draft_acceptance", "Accepted / proposed draft tokens, this actor so far.")
+        self.occupancy = gauge("orthrus_slot_occupancy", "Busy engine slots / slots since the previous batch.")
+        self._totals = [0, 0, 0]            # cycles, drafts, accepted (this actor)
+        self._last: tuple[int, int] | None = None   # (iterations, busy slot-iterations) at the last record
+
+    def record(self, table: pa.Table, iterations: int, busy_slot_iterations: int, slots: int) -> None:
+        """Add a finished batch (the output rows, after detokenization) and the engine counters now."""
+        ok = table.filter(pc.not_equal(table["finish_reason"], "error"))
+        if ok.num_rows:
+            self.rows.inc(ok.num_rows, tags={"status": "ok"})
+        if table.num_rows > ok.num_rows:
+            self.rows.inc(table.num_rows - ok.num_rows, tags={"status": "error"})
+        batch = [_sum(ok["num_cycles"]), _sum(ok["num_draft_tokens"]), _sum(ok["num_accepted_draft_tokens"])]
+        for metric, value in zip((self.tokens, self.cycles, self.drafts, self.accepted),
+                                 (_sum(ok["num_completion_tokens"]), *batch)):
+            if value:
+                metric.inc(value)
+        self._totals = [t + b for t, b in zip(self._totals, batch)]
+        cycles, drafts, accepted = self._totals
+        if cycles:
+            self.tpc.set(tokens_per_cycle(accepted, cycles))
+        if drafts:
+            self.acceptance.set(accepted / drafts)
+        audited = table.filter(pc.is_valid(table["audit_match"]))
+        matches = _sum(pc.cast(audited["audit_match"], pa.int64()))
+        for result, count in (("match", matches), ("diverged", audited.num_rows - matches)):
+            if count:
+                self.audit.inc(count, tags={"result": result})
+        start = self._last or (0, 0)
+        if iterations > start[0]:
+            self.occupancy.set((busy_slot_iterations - start[1]) / ((iterations - start[0]) * slots))
+        self._last = (iterations, busy_slot_iterations)

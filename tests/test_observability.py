@@ -1,0 +1,195 @@
+"""Trusting and watching a run, without Ray: the lossless audit, per-row timings, the row timeout,
+the progress display and the summary's audit and cost sections.
+
+The same features run end to end on a real Ray head (metrics read back from the Prometheus
+endpoint, the wall-time guard, ``--resume``) in ``tests/test_observability_ray.py``.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from pipeline.audit import audit_statistics, first_divergence, is_audited
+from pipeline.config import AuditConfig
+from pipeline.engine_loop import EngineLoop
+from pipeline.job import preflight
+from pipeline.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.progress import Progress
+from pipeline.stage import GenerationStage, StagePlan
+from pipeline.summary import render_table
+from test_bad_inputs import _config, _shard
+from test_pipeline_units import TOKENIZER_DIR
+
+BUNDLED = str(TOKENIZER_DIR)   # the bundled trained model (its tokenizer dir is the checkpoint)
+
+
+def _batch(tmp_path, cfg):
+    inputs = preflight(cfg).inputs
+    return preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+
+
+def _stage(cfg, fraction: float = 0.0, row_timeout_s: float | None = None) -> GenerationStage:
+    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False,
+                                     audit=AuditConfig(fraction=fraction, max_batch_size=2),
+                                     row_timeout_s=row_timeout_s))
+
+
+# ---------------------------------------------------------------- the audit: selection and comparison
+
+def test_audit_selection_is_a_stable_hash_of_the_id():
+    ids = [f"row-{i}" for i in range(4000)]
+    tenth = {i for i in ids if is_audited(i, 0.1)}
+    assert 300 < len(tenth) < 500                                # about the fraction asked for
+    assert tenth == {i for i in ids if is_audited(i, 0.1)}       # the same rows on every call (and run)
+    assert {i for i in ids if is_audited(i, 0.05)} <= tenth      # a larger fraction audits a superset
+    assert not any(is_audited(i, 0.0) for i in ids) and all(is_audited(i, 1.0) for i in ids)
+
+
+@pytest.mark.parametrize("spec, ar, expected", [
+    ([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 5, 3], 1), ([7], [8], 0),
+    ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1, 2], 2), ([], [], None)])
+def test_first_divergence(spec, ar, expected):
+    assert first_divergence(spec, ar) == expected
+
+
+def test_audit_statistics_and_table_line():
+    table = pa.table({"id": ["a", "b", "c", "d", "e"], "sample_index": [0] * 5,
+                      "audit_match": pa.array([True, None, False, True, False]),
+                      "audit_first_divergence": pa.array([None, None, 7, None, 3], pa.int64())})
+    stats = audit_statistics(table, 0.5)
+    assert (stats["rows_audited"], stats["exact_matches"], stats["diverged"]) == (4, 2, 2)
+    assert stats["first_divergence"] == {"min": 3, "median": 7, "max": 7}
+    assert stats["diverged_examples"] == [{"id": "c", "sample_index": 0, "first_divergence": 7},
+                                          {"id": "e", "sample_index": 0, "first_divergence": 3}]
+    assert audit_statistics(table.drop_columns(["audit_match", "audit_first_divergence"]), 0)["rows_audited"] == 0
+
+
+def test_audited_greedy_rows_equal_plain_ar_in_float32(tmp_path):
+    """The bundled model, float32, speculative: every audited greedy row matches plain AR token for
+    token (stop strings included); sampled rows are never audited."""
+    n = 10
+    _shard(tmp_path, "a.parquet", id=[f"r{i}" for i in range(n)], prompt=[f"def f{i}(x, y):" for i in range(n)],
+           temperature=pa.array([None] * (n - 2) + [0.8, 0.8], pa.float64()))
+    cfg = _config(tmp_path, BUNDLED, prompt={"chat_template": "off"},
+                  sampling={"max_new_tokens": 40, "stop": ["\ndef "]},
+                  engine={"max_batch_size": 4, "dtype": "float32"})
+    rows = asyncio.run(_stage(cfg, fraction=1.0)(_batch(tmp_path, cfg))).to_pylist()
+    assert len(rows) == n
+    greedy, sampled = rows[:-2], rows[-2:]
+    assert all(r["audit_match"] is True and r["audit_first_divergence"] is None for r in greedy)
+    assert all(r["audit_match"] is None and r["audit_first_divergence"] is None for r in sampled)
+    assert any(r["num_accepted_draft_tokens"] > 0 for r in greedy)       # speculation really happened
+    assert any(r["finish_reason"] == "stop" for r in greedy)
+
+
+def test_the_audit_reports_where_a_wrong_decoding_diverges(tmp_path, tiny_orthrus_dir):
+    """Power check: if the engine's output were not the model's AR output, the audit says so. Here
+    the audit engine decodes a perturbed copy of the model; divergence indices are checked
+    against a direct comparison."""
+    _shard(tmp_path, "a.parquet", id=[f"r{i}" for i in range(6)], prompt=[f"def g{i}(a):" for i in range(6)])
+    cfg = _config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"}, sampling={"max_new_tokens": 12},
+                  engine={"max_batch_size": 3})
+    stage = _stage(cfg, fraction=1.0)
+    other = OrthrusForCausalLM.from_pretrained(str(tiny_orthrus_dir))
+    with torch.no_grad():
+        other.lm_head.weight.add_(torch.randn_like(other.lm_head.weight))
+    stage.loop.engines["audit"] = OrthrusEngine(other, max_batch_size=2, speculative=False)
+    batch = _batch(tmp_path, cfg)
+    rows = asyncio.run(stage(batch)).to_pylist()
+    truth = OrthrusEngine(other, max_batch_size=6, speculative=False).generate(
+        batch["__prompt_token_ids"].to_pylist(), SamplingParams(max_new_tokens=12))
+    mine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(str(tiny_orthrus_dir)), max_batch_size=6).generate(
+        batch["__prompt_token_ids"].to_pylist(), SamplingParams(max_new_tokens=12))
+    expected = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(mine, truth)]
+    assert [r["audit_first_divergence"] for r in rows] == expected and any(e is not None for e in expected)
+    assert [r["audit_match"] for r in rows] == [e is None for e in expected]
+
+
+# ---------------------------------------------------------------- per-row time and the row timeout
+
+def test_per_row_times_add_up_with_one_slot(tmp_path, tiny_orthrus_dir):
+    """One slot: rows run one after another, so each row waited about as long as the rows before it ran."""
+    _shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["def a():", "def b():", "def c():"])
+    cfg = _config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"}, sampling={"max_new_tokens": 30},
+                  engine={"max_batch_size": 1})
+    rows = asyncio.run(_stage(cfg)(_batch(tmp_path, cfg))).to_pylist()
+    engine = [r["time_in_engine_s"] for r in rows]
+    waiting = [r["time_waiting_s"] for r in rows]
+    wall = rows[0]["batch_wall_seconds"]
+    assert all(t > 0 for t in engine) and sum(engine) <= wall
+    assert waiting[0] < waiting[1] < waiting[2]
+    assert waiting[2] >= 0.9 * (engine[0] + engine[1])
+    assert all(r["batch_wall_seconds"] == wall for r in rows)
+
+
+def test_row_timeout_turns_long_rows_into_error_rows_and_frees_their_slots(tmp_path, tiny_orthrus_dir):
+    _shard(tmp_path, "a.parquet", id=["long1", "long2", "short"], prompt=["def a():", "def b():", "def c():"],
+           max_new_tokens=pa.array([400, 400, 2], pa.int64()))
+    cfg = _config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"},
+                  engine={"max_batch_size": 2, "max_seq_len": 512})
+    rows = {r["id"]: r for r in asyncio.run(_stage(cfg, row_timeout_s=0.001)(_batch(tmp_path, cfg))).to_pylist()}
+    assert len(rows) == 3
+    for rid in ("long1", "long2"):
+        r = rows[rid]
+        assert r["finish_reason"] == "error" and r["completion"] is None
+        assert "row timeout: aborted after" in r["error"] and "behaviour.row_timeout_s=0.001" in r["error"]
+    # the short row was admitted only when a long one gave up its slot
+    assert rows["short"]["finish_reason"] in ("length", "error")
+    untimed = {r["id"]: r for r in asyncio.run(_stage(cfg, row_timeout_s=60)(_batch(tmp_path, cfg))).to_pylist()}
+    assert all(r["finish_reason"] != "error" for r in untimed.values())
+
+
+def test_engine_loop_row_timeout_returns_the_tokens_so_far(tiny_orthrus_dir):
+    model = OrthrusForCausalLM.from_pretrained(str(tiny_orthrus_dir))
+    engine = OrthrusEngine(model, max_batch_size=1, max_seq_len=512)
+    loop = EngineLoop(engine, row_timeout_s=0.02)
+    out = asyncio.run(loop.run([[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=480)] * 2))
+    assert [o.finish_reason for o in out] == ["abort", "abort"] and loop.timed_out == 2
+    assert all(o.engine_seconds >= 0.02 and len(o.token_ids) < 480 for o in out)
+    assert not engine.has_unfinished_requests() and engine.num_running == 0
+
+
+# ---------------------------------------------------------------- progress and the summary's table
+
+def test_progress_log_lines_have_count_rate_and_eta():
+    lines: list[str] = []
+    p = Progress(expected=10, done_before=2, echo=lines.append, bar=False, interval_s=3600)
+    p.update(3, 120.0)
+    p.update(1, 130.0)          # within the interval: no line
+    p.update(4, None)           # the last rows: always a line
+    assert len(lines) == 2
+    assert lines[0].startswith("[orthrus] progress 5/10 rows (50.0%) | 120 tok/s | ETA ")
+    assert lines[1].startswith("[orthrus] progress 10/10 rows (100.0%) | n/a tok/s | ETA 0:00:00")
+
+
+def test_progress_bar_on_a_terminal():
+    stream = io.StringIO()
+    p = Progress(expected=8, done_before=0, bar=True, stream=stream)
+    p.update(8, 99.0)
+    p.close()
+    assert "8/8" in stream.getvalue() and "99 tok/s" in stream.getvalue()
+
+
+def test_summary_table_shows_audit_and_cost():
+    summary = {"rows": {"total": 2, "ok": 2, "error": 0, "finish_reason": {"length": 2}},
+               "tokens": {"prompt": 4, "completion": 20},
+               "speculation": {"tokens_per_cycle": {"mean_per_row": 2.0, "token_weighted": 2.0, "pooled": 2.0,
+                                                    "tpf_pooled": 1.0},
+                               "accepted_draft_tokens": 5, "draft_tokens": 10, "draft_acceptance_rate": 0.5,
+                               "acceptance_rate_by_position": [0.5]},
+               "audit": {"rows_audited": 2, "exact_matches": 1, "diverged": 1,
+                         "first_divergence": {"min": 4, "median": 4, "max": 4}},
+               "run": {"rows_generated": 2, "completion_tokens": 20, "wall_seconds": 10.0, "tokens_per_second": 2.0,
+                       "rows_skipped_as_finished": 0, "actors": [],
+                       "cost": {"device": "gpu", "device_seconds_reserved": 20.0, "device_seconds_busy": 8.0,
+                                "tokens_per_device_hour": 3600.0}}}
+    text = render_table(summary, "out")
+    assert "audit          2 greedy rows re-decoded with plain AR: 1 exact, 1 diverged (first differing token at " \
+           "index 4..4, median 4)" in text
+    assert "cost           20 GPU-seconds held (8 busy) = 3,600 tokens per GPU-hour" in text
