@@ -146,6 +146,7 @@ def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tm
     done = _keys(out / "data" / name for name in _parts(out))
     assert summary["run"]["stopped_by"] == "max_wall_seconds" and not summary["run"]["complete"]
     assert len(done) == len(set(done)) < len(keys) and summary["rows"]["total"] == len(done)
+    print(f"max_wall_seconds=20: the driver stopped after {took:.1f} s with {len(done)}/{len(keys)} rows committed")
 
     proc = subprocess.run([*generate, str(job), "--resume", "--set", "behaviour.max_wall_seconds=null"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
