@@ -4,11 +4,16 @@
     ray job submit --working-dir . -- python -m jobs.generate --config FILE   # on a cluster
 
 Options: ``--set section.field=value`` (repeatable) overrides the YAML; ``--resume`` continues an
-existing output dir; ``--overwrite`` replaces it. Exit status: 0 done; 1 finished but incomplete
-(or stopped by ``behaviour.max_wall_seconds``: ``--resume`` continues);
-2 the config, inputs or output dir were rejected before any model loaded; 3 writing the output
-failed mid-run (disk full, permissions) -- the parts already committed are complete, so fix the
-cause and rerun with ``--resume``.
+existing output dir; ``--overwrite`` replaces it; ``--dedupe`` (with resume) repairs a directory
+that two jobs once wrote at the same time. The job holds an exclusive lease on its output directory
+(``pipeline/lease.py``) from before Ray starts to the end.
+
+Exit status: 0 done; 1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``:
+``--resume`` continues); 2 refused before any model loaded (config, inputs, output dir, or another
+job holds the directory); 3 writing the output failed mid-run (disk full, permissions, a lost
+lease) -- the parts already committed are complete, so fix the cause and rerun with ``--resume``;
+4 crashed (an unexpected exception): one paragraph on stderr, the traceback in
+``<output>/_logs/crash-*.log``.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import sys
 from pipeline.cluster import connect
 from pipeline.config import ConfigError, load_config
 from pipeline.job import preflight, run
+from pipeline.crash import crash_message
+from pipeline.lease import Lease
 from pipeline.output import OutputWriteError
 
 
@@ -28,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a config field, e.g. --set sampling.temperature=0.7")
     p.add_argument("--resume", action="store_true", help="continue into an existing output dir")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dir")
+    p.add_argument("--dedupe", action="store_true", help=(
+        "with --resume: first remove duplicate (id, sample_index) rows, keeping the first committed copy"))
     p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else embedded local Ray)")
     return p.parse_args(argv)
 
@@ -37,18 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.overwrite:
         print("error: --resume and --overwrite are mutually exclusive", file=sys.stderr)
         return 2
-    # A flag wins over the YAML (e.g. the demo's overwrite: true) for this run.
-    flags = [f"behaviour.resume={str(args.resume).lower()}", f"behaviour.overwrite={str(args.overwrite).lower()}"] \
-        if (args.resume or args.overwrite) else []
+    # A flag wins over the YAML (e.g. the demo's overwrite: true) for this run; --dedupe implies --resume.
+    resume = args.resume or args.dedupe
+    flags = [f"behaviour.resume={str(resume).lower()}", f"behaviour.overwrite={str(args.overwrite).lower()}",
+             f"behaviour.dedupe={str(args.dedupe).lower()}"] if (resume or args.overwrite) else []
+    output = None
     try:
         prepared = preflight(load_config(args.config, [*args.overrides, *flags]))
-        summary = run(prepared, connect(args.address))
+        output = prepared.out.root
+        with Lease(output, prepared.out.run_id) as lease:   # before Ray starts: one writer per directory
+            prepared.out.lease = lease
+            summary = run(prepared, connect(args.address))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OutputWriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Exception as e:  # noqa: BLE001 - anything else is a crash: a paragraph here, the traceback in a file
+        print(crash_message(e, output), file=sys.stderr)
+        return 4
     return 0 if summary["run"]["complete"] else 1
 
 

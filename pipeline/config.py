@@ -150,6 +150,9 @@ class BehaviourConfig(_Section):
 
     resume: bool = Field(False, description="Continue into an existing output dir, skipping finished rows.")
     overwrite: bool = Field(False, description="Delete an existing output dir (of a previous run) first.")
+    dedupe: bool = Field(False, description=(
+        "With resume: first remove rows whose (id, sample_index) was committed before (left by two jobs "
+        "that once wrote to the directory at the same time), keeping the first committed copy of each."))
     row_timeout_s: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=(
         "A row that holds its engine slot longer than this (seconds from admission) is aborted and "
         "becomes an error row saying so; its slot goes to the next row. None = no limit."))
@@ -161,6 +164,8 @@ class BehaviourConfig(_Section):
     def _exclusive(self) -> "BehaviourConfig":
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite are mutually exclusive")
+        if self.dedupe and not self.resume:
+            raise ValueError("dedupe repairs an existing output: it needs resume")
         return self
 
 

@@ -1,6 +1,7 @@
 """One generation job: preflight (no Ray, no model), then run on a connected Ray and summarise."""
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import Callable
 from pipeline.config import ConfigError, JobConfig
 from pipeline.dataset import build_dataset
 from pipeline.inputs import InputPlan, inspect_inputs
-from pipeline.model_files import load_tokenizer, resolve_model_dir
+from pipeline.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
 from pipeline.output import OutputDir
 from pipeline.progress import Progress
 from pipeline.prompts import uses_chat_template
@@ -35,6 +36,8 @@ def _check_model(config: JobConfig, inputs: InputPlan) -> None:
     model_dir = resolve_model_dir(config.model, weights=False)
     if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} has no config.json (not an HF-layout checkpoint)")
+    if os.path.isdir(config.model.path):      # a hub checkpoint's weights are fetched by the actors
+        check_weight_headers(model_dir)
     tokenizer = load_tokenizer(model_dir)
     if config.prompt.chat_template == "on" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"prompt.chat_template is 'on' but the tokenizer in {model_dir} has no chat template")
@@ -163,6 +166,8 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     check_engine_placement(config.engine, placement)
     out.prepare(config.behaviour, {"model": config.model.path,
                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    if config.behaviour.dedupe:
+        echo(f"[orthrus] --dedupe: removed {out.dedupe()} duplicate row(s), keeping the first committed copy of each")
     finished = out.finished_keys()
     echo(f"[orthrus] {inputs.num_rows} input rows x {config.sampling.n} samples in {len(inputs.files)} file(s); "
          f"{len(finished)} already done; {placement.replicas} replica(s), {placement.gpus_per_replica:g} GPU and "

@@ -43,3 +43,18 @@ def load_tokenizer(model_dir: str):
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a missing/broken tokenizer
         raise ConfigError(f"model.path: cannot load a tokenizer from {model_dir} ({type(e).__name__}: {e})") from None
+
+
+def check_weight_headers(model_dir: str) -> None:
+    """Read the header of every local ``*.safetensors`` file (names, dtypes, shapes: no tensor data),
+    so that a truncated or corrupt weights file is refused before any actor starts loading it."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                    f.keys()
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise ConfigError(f"model.path: weights file {name} in {model_dir} is not readable "
+                                  f"({type(e).__name__}: {e})") from None

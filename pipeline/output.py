@@ -5,6 +5,8 @@ Layout::
     <output>/data/part-<run>-<seq>.parquet   committed rows (read the output as this directory)
     <output>/_tmp/                          files being written; never output, wiped at start
     <output>/_job.json                      marker: this is an Orthrus output dir (+ current run)
+    <output>/_lease.json                    the running job's exclusive lease (``lease.py``)
+    <output>/_logs/                         crash reports (traceback of an unexpected failure)
     <output>/summary.json, summary.png
 
 Exactly once: the driver is the only writer. Each batch Ray Data hands it is written to ``_tmp``,
@@ -30,15 +32,17 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 
 from pipeline.config import BehaviourConfig, ConfigError
+from pipeline.lease import LEASE, check_free
 from pipeline.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
 
-DATA_DIR, TMP_DIR, MARKER = "data", "_tmp", "_job.json"
+DATA_DIR, TMP_DIR, MARKER, LOGS_DIR = "data", "_tmp", "_job.json", "_logs"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
-_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG}
+_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR}   # replaced by --overwrite
 
 
 class OutputWriteError(RuntimeError):
@@ -66,6 +70,7 @@ class OutputDir:
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self._seq = 0
         self.committed = 0  # part files this run committed
+        self.lease = None   # the job's Lease (lease.py) once taken; a lost lease stops commits
 
     def _failed(self, what: str, error: Exception, tmp: Path | None) -> OutputWriteError:
         """Remove the half-written temp file and describe the failure."""
@@ -91,9 +96,11 @@ class OutputDir:
             raise ConfigError(f"input file {inside[0]} is inside output.path {self.root}")
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"output.path {self.root} exists and is not a directory")
-        links = [n for n in sorted(_OURS) if (self.root / n).is_symlink()]
+        links = [n for n in sorted(_OURS | {LEASE}) if (self.root / n).is_symlink()]
         if links:  # a planted link would send writes (or an overwrite's deletes) outside the directory
             raise ConfigError(f"output.path {self.root}: {links[0]} is a symbolic link; refusing to write through it")
+        if self.root.is_dir():
+            check_free(self.root)
         if self.has_content():
             self._check_existing(behaviour, model)
         self._probe()
@@ -103,7 +110,7 @@ class OutputDir:
         if not (behaviour.resume or behaviour.overwrite):
             raise ConfigError(f"output.path {self.root} already holds output; pass --resume to continue it "
                               "(behaviour.resume) or --overwrite to replace it (behaviour.overwrite)")
-        foreign = sorted(p.name for p in self.root.iterdir() if p.name not in _OURS)
+        foreign = sorted(p.name for p in self.root.iterdir() if p.name not in _OURS and not p.name.startswith(LEASE))
         if not self.marker.exists() or foreign:
             raise ConfigError(f"output.path {self.root} is not an Orthrus output directory (no {MARKER}"
                               f"{', has ' + foreign[0] if foreign else ''}); refusing to "
@@ -112,6 +119,12 @@ class OutputDir:
         if behaviour.resume and previous not in (None, model):
             raise ConfigError(f"output.path {self.root} was generated with model {previous!r}; resuming with "
                               f"model.path {model!r} would mix models in one output")
+        if behaviour.resume and not behaviour.dedupe:
+            count, example = self.duplicates()
+            if count:
+                raise ConfigError(f"output.path {self.root} holds {count} duplicate (id, sample_index) row(s), e.g. "
+                                  f"{example!r} (two jobs once wrote to it at the same time); rerun with --dedupe to "
+                                  "keep the first committed copy of each, then go on")
 
     def _probe(self) -> None:
         """Create the directory and write, fsync and delete a file in it; undo what it created.
@@ -146,8 +159,8 @@ class OutputDir:
                     pass
 
     def has_content(self) -> bool:
-        """Whether the directory exists and is non-empty."""
-        return self.root.is_dir() and any(self.root.iterdir())
+        """Whether the directory exists and holds more than a lease."""
+        return self.root.is_dir() and any(not p.name.startswith(LEASE) for p in self.root.iterdir())
 
     def prepare(self, behaviour: BehaviourConfig, meta: dict) -> None:
         """Create (or clear, with overwrite) the directory, wipe stale temp files, write the marker."""
@@ -199,8 +212,46 @@ class OutputDir:
         t = self.read(list(KEY_COLUMNS))
         return key_strings(t["id"], t["sample_index"]).combine_chunks() if t.num_rows else pa.array([], pa.string())
 
+    def duplicates(self) -> tuple[int, str | None]:
+        """Rows whose key appears earlier too, and one such id (0, None for an exactly-once output)."""
+        keys = self.finished_keys()
+        counts = pc.value_counts(keys) if len(keys) else None
+        if counts is None or len(counts) == len(keys):
+            return 0, None
+        dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")[0].as_py()
+        return len(keys) - len(counts), dup.split("\x1f")[0]
+
+    def dedupe(self) -> int:
+        """Keep the first committed copy of each key (parts in commit order); → rows removed.
+
+        A part holding later copies is rewritten without them as a new part (committed as usual),
+        then removed, so a crash in between leaves duplicates that a rerun removes, never a loss.
+        """
+        parts = sorted(self.part_files(), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        seen: set[str] = set()
+        removed = 0
+        for part in parts:
+            table = pq.read_table(part)
+            keys = key_strings(table["id"], table["sample_index"]).to_pylist()
+            keep = []
+            for i, key in enumerate(keys):
+                if key not in seen:
+                    seen.add(key)
+                    keep.append(i)
+            if len(keep) < table.num_rows:
+                removed += table.num_rows - len(keep)
+                if keep:
+                    self.commit(table.take(keep))
+                part.unlink()
+                _fsync_dir(self.data)
+        return removed
+
     def commit(self, table: pa.Table) -> Path:
         """Atomically add one part file (temp file, fsync, rename)."""
+        if self.lease is not None and self.lease.lost:
+            raise OutputWriteError(f"lost the lease on output.path {self.root} ({LEASE} now names another job); "
+                                   f"stopped committing. The {self.committed} part file(s) this run committed are "
+                                   "complete")
         name = f"part-{self.run_id}-{self._seq:06d}.parquet"
         self._seq += 1
         tmp = self.tmp / (name + ".inprogress")

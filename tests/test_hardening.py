@@ -124,3 +124,142 @@ def test_a_partition_key_that_is_also_a_column_is_refused(tmp_path, weightless_m
     pq.write_table(pa.table({"id": ["a"], "prompt": ["p"], "lang": ["de"]}), tmp_path / "in" / "lang=en" / "a.parquet")
     with pytest.raises(ConfigError, match=r"input column 'lang' is also a hive partition key in the path of"):
         preflight(_config(tmp_path, weightless_model))
+
+
+# ---------------------------------------------------------------- one writer per output directory
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _plant(root, **info) -> None:
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "_lease.json").write_text(json.dumps({"token": "old", "run_id": "r-old", "started": "then", **info}))
+
+
+def test_a_live_lease_refuses_a_second_job_naming_it(tmp_path):
+    from pipeline.lease import Lease, LeaseHeld, check_free
+
+    with Lease(tmp_path / "out", "run-1") as lease:
+        assert (tmp_path / "out" / "_lease.json").exists() and not lease.lost
+        with pytest.raises(LeaseHeld, match=r"in use by another job: run run-1 \(pid \d+ on "):
+            Lease(tmp_path / "out", "run-2")
+        with pytest.raises(LeaseHeld, match="run run-1"):
+            check_free(tmp_path / "out")
+    assert not (tmp_path / "out" / "_lease.json").exists()          # released
+    Lease(tmp_path / "out", "run-3").release()                       # and free again
+
+
+@pytest.mark.parametrize("holder, stale", [
+    ("dead pid on this host", True), ("reused pid on this host", True), ("live pid on this host", False),
+    ("other host, old heartbeat", True), ("other host, fresh heartbeat", False)])
+def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, holder, stale):
+    import os
+    import socket
+    import time
+
+    from pipeline.lease import Lease, LeaseHeld, _pid_start
+
+    here = socket.gethostname()
+    info = {"dead pid on this host": dict(host=here, pid=_dead_pid(), heartbeat=time.time()),
+            "reused pid on this host": dict(host=here, pid=os.getpid(), pid_start="1", heartbeat=time.time()),
+            "live pid on this host": dict(host=here, pid=os.getpid(), pid_start=_pid_start(os.getpid()),
+                                          heartbeat=time.time()),
+            "other host, old heartbeat": dict(host="elsewhere", pid=1, heartbeat=time.time() - 3600),
+            "other host, fresh heartbeat": dict(host="elsewhere", pid=1, heartbeat=time.time())}[holder]
+    _plant(tmp_path / "out", **info)
+    if not stale:
+        with pytest.raises(LeaseHeld, match="run r-old"):
+            Lease(tmp_path / "out", "new")
+        return
+    with Lease(tmp_path / "out", "new"):
+        assert "took over the stale lease of run r-old" in capsys.readouterr().out
+    assert not list((tmp_path / "out").glob("_lease.json*"))
+
+
+def _race(root: str, barrier, results) -> None:
+    import time
+
+    from pipeline.lease import Lease, LeaseHeld
+
+    barrier.wait()
+    try:
+        lease = Lease(__import__("pathlib").Path(root), "racer")
+    except LeaseHeld:
+        results.put("refused")
+        return
+    results.put("won")
+    time.sleep(3)
+    lease.release()
+
+
+@pytest.mark.parametrize("start", ["empty", "stale"])
+def test_of_jobs_racing_for_a_lease_exactly_one_wins(tmp_path, start):
+    import multiprocessing as mp
+
+    if start == "stale":
+        import socket
+        import time
+        _plant(tmp_path / "out", host=socket.gethostname(), pid=_dead_pid(), heartbeat=time.time())
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(6), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path / "out"), barrier, results)) for _ in range(6)]
+    for p in procs:
+        p.start()
+    outcome = sorted(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert outcome == ["refused"] * 5 + ["won"]
+
+
+def test_a_lost_lease_stops_commits(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from pipeline import lease as L
+    from pipeline.config import BehaviourConfig
+    from pipeline.output import OutputDir, OutputWriteError
+
+    monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
+    out = OutputDir(str(tmp_path / "out"))
+    out.lease = L.Lease(out.root, out.run_id)
+    out.prepare(BehaviourConfig(), {})
+    out.commit(pa.table({"id": ["a"], "sample_index": [0]}))
+    info = json.loads((out.root / "_lease.json").read_text())
+    (out.root / "_lease.json").write_text(json.dumps({**info, "token": "someone else"}))   # a mistaken takeover
+    deadline = time.time() + 10
+    while not out.lease.lost and time.time() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(OutputWriteError, match="lost the lease on output.path"):
+        out.commit(pa.table({"id": ["b"], "sample_index": [0]}))
+    out.lease.release()
+    assert (out.root / "_lease.json").exists()                        # not ours: left alone
+
+
+def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_path, weightless_model):
+    import time
+
+    from pipeline.config import BehaviourConfig
+    from pipeline.output import OutputDir
+
+    _shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["p", "q", "r"])
+    out = OutputDir(str(tmp_path / "out"))
+    out.prepare(BehaviourConfig(), {"model": str(weightless_model)})
+    out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "completion": ["first-a", "first-b"]}))
+    time.sleep(0.01)
+    out.commit(pa.table({"id": ["b", "c", "c"], "sample_index": [0, 0, 0], "completion": ["second-b", "c1", "c2"]}))
+    with pytest.raises(ConfigError, match=r"holds 2 duplicate \(id, sample_index\) row\(s\).*rerun with --dedupe"):
+        preflight(_config(tmp_path, weightless_model, behaviour={"resume": True}))
+    prepared = preflight(_config(tmp_path, weightless_model, behaviour={"resume": True, "dedupe": True}))
+    prepared.out.prepare(prepared.config.behaviour, {"model": str(weightless_model)})
+    assert prepared.out.dedupe() == 2
+    rows = sorted((r["id"], r["completion"]) for r in prepared.out.read().to_pylist())
+    assert rows == [("a", "first-a"), ("b", "first-b"), ("c", "c1")]
+    assert prepared.out.dedupe() == 0 and prepared.out.duplicates() == (0, None)

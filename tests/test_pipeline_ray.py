@@ -285,6 +285,7 @@ def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthr
     proc = subprocess.run([*cmd, "--resume"], cwd=REPO, env=_base_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "took over the stale lease of run" in proc.stdout              # the killed driver's lease
     after = _parts(out)
     assert all(after[name] == digest for name, digest in before.items())  # finished parts untouched
     new = _keys(out / "data" / name for name in after if name not in before)

@@ -1,0 +1,75 @@
+"""An unexpected failure of the job: one paragraph for the user, the whole traceback in a file.
+
+A Ray Data failure arrives as a chain of wrappers (``RayTaskError``, ``UserCodeException``, ...)
+around the exception that actually happened in a task; the paragraph names that innermost one, and
+the full chain goes to ``<output>/_logs/crash-<time>.log`` (the system temp directory when the
+output directory cannot be written).
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.output import LOGS_DIR
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.*)$", re.M)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: ``__cause__``, ``__context__`` and Ray's ``cause``, outermost first."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        if any(e is seen for seen in out):
+            continue
+        out.append(e)
+        ray_cause = getattr(e, "cause", None)
+        todo += [x for x in (e.__context__, ray_cause if isinstance(ray_cause, BaseException) else None,
+                             e.__cause__) if x is not None]
+    return out
+
+
+def root_cause(exc: BaseException) -> tuple[str, str]:
+    """(type name, first line of the message) of the exception that actually happened.
+
+    The innermost exception that is not one of Ray's wrappers; when Ray wrapped only text (an actor
+    that died in its constructor carries the remote traceback in its message), the last exception
+    line of that text.
+    """
+    chain = _chain(exc)
+    for e in reversed(chain):
+        if not type(e).__module__.startswith("ray."):
+            return type(e).__name__, (str(e).strip().splitlines() or [""])[0][:500]
+    for e in chain:
+        found = _EXC_LINE.findall(_ANSI.sub("", str(e)))
+        if found:
+            name, message = found[-1]
+            return name.rsplit(".", 1)[-1], message[:500]
+    return type(exc).__name__, (str(exc).strip().splitlines() or [""])[0][:500]
+
+
+def _write_log(exc: BaseException, output: Path | None) -> Path:
+    text = "".join(traceback.format_exception(exc))
+    name = f"crash-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    for folder in ([output / LOGS_DIR] if output is not None else []) + [Path(tempfile.gettempdir())]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(text)
+            return folder / name
+        except OSError:
+            continue
+    return Path("<not written>")
+
+
+def crash_message(exc: BaseException, output: Path | None) -> str:
+    """Write the traceback to a log file and return the paragraph to print (exit status 4)."""
+    name, first = root_cause(exc)
+    log = _write_log(exc, output)
+    return (f"error: the job crashed: {name}: {first}. This is a bug or an environment "
+            f"problem, not a problem of one row (those become error rows). The parts committed so far are "
+            f"complete; once the cause is fixed, rerun with --resume. Full traceback: {log}")
