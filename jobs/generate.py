@@ -64,9 +64,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except Exception as e:  # noqa: BLE001 - anything else is a crash: a paragraph here, the traceback in a file
-        print(crash_message(e, output), file=sys.stderr)
+        message = crash_message(e, output)
+        _shutdown_ray()   # its shutdown noise comes before the paragraph, not after it
+        print(message, file=sys.stderr)
         return 4
     return 0 if summary["run"]["complete"] else 1
+
+
+def _shutdown_ray() -> None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on the way out of a crash
+        pass
 
 
 if __name__ == "__main__":

@@ -263,3 +263,13 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
     rows = sorted((r["id"], r["completion"]) for r in prepared.out.read().to_pylist())
     assert rows == [("a", "first-a"), ("b", "first-b"), ("c", "c1")]
     assert prepared.out.dedupe() == 0 and prepared.out.duplicates() == (0, None)
+
+
+def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
+    from pipeline.column_types import check_group
+
+    interval = pa.array([pa.scalar((1, 2, 3), pa.month_day_nano_interval()).as_py()], pa.month_day_nano_interval())
+    group = pa.table({"id": ["a"], "when": interval})
+    with pytest.raises(ConfigError, match=r"input column 'when' \(type month_day_nano_interval in f.parquet\) cannot "
+                                          r"be carried to the output: ArrowNotImplementedError"):
+        check_group(group, [pa.field("when", pa.month_day_nano_interval())], "f.parquet", first=True)

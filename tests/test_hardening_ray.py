@@ -104,8 +104,9 @@ def test_a_crash_exits_4_with_one_paragraph_and_the_traceback_in_a_file(head, ti
     pq.write_table(pa.table({"id": ["a"], "prompt": ["def a():"]}), tmp_path / "in" / "a.parquet")
     proc = _generate(head, _job(tmp_path, model, sampling={"max_new_tokens": 4}))
     assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: the job crashed: ") and "rerun with --resume" in last
+    paragraph = [line for line in proc.stderr.splitlines() if line.startswith("error: the job crashed: ")]
+    assert len(paragraph) == 1 and "rerun with --resume" in paragraph[0]
+    last = paragraph[0]
     logs = list((tmp_path / "out" / "_logs").glob("crash-*.log"))
     assert len(logs) == 1 and f"Full traceback: {logs[0]}" in last and "Traceback" in logs[0].read_text()
     assert not (tmp_path / "out" / "_lease.json").exists()                    # released on the way out
