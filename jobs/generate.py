@@ -4,8 +4,10 @@
     ray job submit --working-dir . -- python -m jobs.generate --config FILE   # on a cluster
 
 Options: ``--set section.field=value`` (repeatable) overrides the YAML; ``--resume`` continues an
-existing output dir; ``--overwrite`` replaces it; ``--dedupe`` (with resume) repairs a directory
-that two jobs once wrote at the same time. The job holds an exclusive lease on its output directory
+existing output dir; ``--overwrite`` replaces it; ``--dedupe`` repairs a directory that two jobs
+once wrote at the same time, ``--retry-errors`` generates the error rows again, and
+``--allow-config-change`` accepts a resume with other model, sampling or prompt settings (all three
+resume). The job holds an exclusive lease on its output directory
 (``pipeline/lease.py``) from before Ray starts to the end.
 
 Exit status: 0 done; 1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``:
@@ -36,7 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue into an existing output dir")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dir")
     p.add_argument("--dedupe", action="store_true", help=(
-        "with --resume: first remove duplicate (id, sample_index) rows, keeping the first committed copy"))
+        "resume, first removing duplicate (id, sample_index) rows (the first committed copy stays)"))
+    p.add_argument("--retry-errors", action="store_true", help=(
+        "resume, generating the rows committed as errors again (they move to <output>/retried/)"))
+    p.add_argument("--allow-config-change", action="store_true", help=(
+        "resume even though the model, sampling or prompt settings differ from the recorded ones"))
     p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else embedded local Ray)")
     return p.parse_args(argv)
 
@@ -46,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.overwrite:
         print("error: --resume and --overwrite are mutually exclusive", file=sys.stderr)
         return 2
-    # A flag wins over the YAML (e.g. the demo's overwrite: true) for this run; --dedupe implies --resume.
-    resume = args.resume or args.dedupe
-    flags = [f"behaviour.resume={str(resume).lower()}", f"behaviour.overwrite={str(args.overwrite).lower()}",
-             f"behaviour.dedupe={str(args.dedupe).lower()}"] if (resume or args.overwrite) else []
+    # A flag wins over the YAML (e.g. the demo's overwrite: true) for this run; the repairs imply --resume.
+    repairs = {"dedupe": args.dedupe, "retry_errors": args.retry_errors, "allow_config_change": args.allow_config_change}
+    resume = args.resume or any(repairs.values())
+    flags = [f"behaviour.{k}={str(v).lower()}" for k, v in
+             {"resume": resume, "overwrite": args.overwrite, **repairs}.items()] if (resume or args.overwrite) else []
     output = None
     try:
         prepared = preflight(load_config(args.config, [*args.overrides, *flags]))

@@ -153,6 +153,12 @@ class BehaviourConfig(_Section):
     dedupe: bool = Field(False, description=(
         "With resume: first remove rows whose (id, sample_index) was committed before (left by two jobs "
         "that once wrote to the directory at the same time), keeping the first committed copy of each."))
+    retry_errors: bool = Field(False, description=(
+        "With resume: generate again the rows committed as errors (they move to <output>/retried/, so "
+        "data/ keeps every (id, sample_index) exactly once)."))
+    allow_config_change: bool = Field(False, description=(
+        "With resume: accept an output directory generated with another model, sampling or prompt "
+        "configuration (refused by default, naming what changed)."))
     row_timeout_s: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=(
         "A row that holds its engine slot longer than this (seconds from admission) is aborted and "
         "becomes an error row saying so; its slot goes to the next row. None = no limit."))
@@ -164,8 +170,9 @@ class BehaviourConfig(_Section):
     def _exclusive(self) -> "BehaviourConfig":
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite are mutually exclusive")
-        if self.dedupe and not self.resume:
-            raise ValueError("dedupe repairs an existing output: it needs resume")
+        for name in ("dedupe", "retry_errors", "allow_config_change"):
+            if getattr(self, name) and not self.resume:
+                raise ValueError(f"{name} applies to an existing output: it needs resume")
         return self
 
 

@@ -11,11 +11,13 @@ from typing import Callable
 
 from pipeline.config import ConfigError, JobConfig
 from pipeline.dataset import build_dataset
+from pipeline.fingerprint import check_unchanged, fingerprint
 from pipeline.inputs import InputPlan, inspect_inputs
 from pipeline.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
 from pipeline.output import OutputDir
 from pipeline.progress import Progress
 from pipeline.prompts import uses_chat_template
+from pipeline.repair import RETRIED_DIR, dedupe, retry_errors
 from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.schema import output_schema, to_output_table
 from pipeline.stage import GenerationStage
@@ -55,6 +57,10 @@ def preflight(config: JobConfig) -> Prepared:
     _check_model(config, inputs)
     out = OutputDir(config.output.path)
     out.check(config.behaviour, inputs.roots, inputs.files, config.model.path)
+    if config.behaviour.resume and out.marker.exists():
+        recorded = out.recorded()
+        check_unchanged(recorded.get("fingerprint"), recorded.get("model"), fingerprint(config),
+                        config.behaviour.allow_config_change, out.root)
     return Prepared(config, inputs, out)
 
 
@@ -164,10 +170,13 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     config, inputs, out = prepared.config, prepared.inputs, prepared.out
     placement = resolve_placement(config.resources, ray.cluster_resources())
     check_engine_placement(config.engine, placement)
-    out.prepare(config.behaviour, {"model": config.model.path,
+    out.prepare(config.behaviour, {"model": config.model.path, "fingerprint": fingerprint(config),
                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     if config.behaviour.dedupe:
-        echo(f"[orthrus] --dedupe: removed {out.dedupe()} duplicate row(s), keeping the first committed copy of each")
+        echo(f"[orthrus] --dedupe: removed {dedupe(out)} duplicate row(s), keeping the first committed copy of each")
+    if config.behaviour.retry_errors:
+        echo(f"[orthrus] --retry-errors: {retry_errors(out)} error row(s) moved to {out.root / RETRIED_DIR}; "
+             "generating them again")
     finished = out.finished_keys()
     echo(f"[orthrus] {inputs.num_rows} input rows x {config.sampling.n} samples in {len(inputs.files)} file(s); "
          f"{len(finished)} already done; {placement.replicas} replica(s), {placement.gpus_per_replica:g} GPU and "

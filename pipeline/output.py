@@ -7,6 +7,7 @@ Layout::
     <output>/_job.json                      marker: this is an Orthrus output dir (+ current run)
     <output>/_lease.json                    the running job's exclusive lease (``lease.py``)
     <output>/_logs/                         crash reports (traceback of an unexpected failure)
+    <output>/retried/                       error rows that --retry-errors took out of data/ (``repair.py``)
     <output>/summary.json, summary.png
 
 Exactly once: the driver is the only writer. Each batch Ray Data hands it is written to ``_tmp``,
@@ -40,9 +41,9 @@ from pipeline.config import BehaviourConfig, ConfigError
 from pipeline.lease import LEASE, check_free
 from pipeline.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
 
-DATA_DIR, TMP_DIR, MARKER, LOGS_DIR = "data", "_tmp", "_job.json", "_logs"
+DATA_DIR, TMP_DIR, MARKER, LOGS_DIR, RETRIED_DIR = "data", "_tmp", "_job.json", "_logs", "retried"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
-_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR}   # replaced by --overwrite
+_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR, RETRIED_DIR}   # replaced by --overwrite
 
 
 class OutputWriteError(RuntimeError):
@@ -53,7 +54,7 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -115,10 +116,6 @@ class OutputDir:
             raise ConfigError(f"output.path {self.root} is not an Orthrus output directory (no {MARKER}"
                               f"{', has ' + foreign[0] if foreign else ''}); refusing to "
                               f"{'overwrite' if behaviour.overwrite else 'resume into'} it")
-        previous = json.loads(self.marker.read_text()).get("model")
-        if behaviour.resume and previous not in (None, model):
-            raise ConfigError(f"output.path {self.root} was generated with model {previous!r}; resuming with "
-                              f"model.path {model!r} would mix models in one output")
         if behaviour.resume and not behaviour.dedupe:
             count, example = self.duplicates()
             if count:
@@ -176,6 +173,13 @@ class OutputDir:
             raise self._failed("its directories", e, None) from e
         self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
 
+    def recorded(self) -> dict:
+        """The marker of the run that last wrote here ({} if none or unreadable)."""
+        try:
+            return json.loads(self.marker.read_text())
+        except (OSError, ValueError):
+            return {}
+
     def write_atomic(self, name: str, payload: bytes) -> Path:
         """Write a top-level file so readers see the old or the new version, never half of one."""
         dest = self.root / name
@@ -221,31 +225,6 @@ class OutputDir:
         dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")[0].as_py()
         return len(keys) - len(counts), dup.split("\x1f")[0]
 
-    def dedupe(self) -> int:
-        """Keep the first committed copy of each key (parts in commit order); → rows removed.
-
-        A part holding later copies is rewritten without them as a new part (committed as usual),
-        then removed, so a crash in between leaves duplicates that a rerun removes, never a loss.
-        """
-        parts = sorted(self.part_files(), key=lambda p: (p.stat().st_mtime_ns, p.name))
-        seen: set[str] = set()
-        removed = 0
-        for part in parts:
-            table = pq.read_table(part)
-            keys = key_strings(table["id"], table["sample_index"]).to_pylist()
-            keep = []
-            for i, key in enumerate(keys):
-                if key not in seen:
-                    seen.add(key)
-                    keep.append(i)
-            if len(keep) < table.num_rows:
-                removed += table.num_rows - len(keep)
-                if keep:
-                    self.commit(table.take(keep))
-                part.unlink()
-                _fsync_dir(self.data)
-        return removed
-
     def commit(self, table: pa.Table) -> Path:
         """Atomically add one part file (temp file, fsync, rename)."""
         if self.lease is not None and self.lease.lost:
@@ -265,7 +244,7 @@ class OutputDir:
             raise self._failed(f"part file {name}", e, tmp) from e
         self.committed += 1
         try:
-            _fsync_dir(self.data)  # the rename itself survives a machine crash
+            fsync_dir(self.data)  # the rename itself survives a machine crash
         except OSError as e:  # the part is complete and in place; only its durability is in doubt
             raise self._failed(f"(fsync) part file {name}", e, None) from e
         return self.data / name

@@ -248,6 +248,7 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
 
     from pipeline.config import BehaviourConfig
     from pipeline.output import OutputDir
+    from pipeline.repair import dedupe
 
     _shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["p", "q", "r"])
     out = OutputDir(str(tmp_path / "out"))
@@ -259,10 +260,11 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
         preflight(_config(tmp_path, weightless_model, behaviour={"resume": True}))
     prepared = preflight(_config(tmp_path, weightless_model, behaviour={"resume": True, "dedupe": True}))
     prepared.out.prepare(prepared.config.behaviour, {"model": str(weightless_model)})
-    assert prepared.out.dedupe() == 2
+    assert dedupe(prepared.out) == 2
     rows = sorted((r["id"], r["completion"]) for r in prepared.out.read().to_pylist())
     assert rows == [("a", "first-a"), ("b", "first-b"), ("c", "c1")]
-    assert prepared.out.dedupe() == 0 and prepared.out.duplicates() == (0, None)
+    assert dedupe(prepared.out) == 0 and prepared.out.duplicates() == (0, None)
+    assert not list(prepared.out.tmp.iterdir())
 
 
 def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
@@ -273,3 +275,38 @@ def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
     with pytest.raises(ConfigError, match=r"input column 'when' \(type month_day_nano_interval in f.parquet\) cannot "
                                           r"be carried to the output: ArrowNotImplementedError"):
         check_group(group, [pa.field("when", pa.month_day_nano_interval())], "f.parquet", first=True)
+
+
+def test_retry_errors_moves_error_rows_out_of_data_keeping_each_key_once(tmp_path, weightless_model):
+    from pipeline.config import BehaviourConfig
+    from pipeline.output import OutputDir
+    from pipeline.repair import retry_errors
+
+    out = OutputDir(str(tmp_path / "out"))
+    out.prepare(BehaviourConfig(), {})
+    out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "finish_reason": ["stop", "error"]}))
+    out.commit(pa.table({"id": ["c"], "sample_index": [0], "finish_reason": ["length"]}))
+    assert retry_errors(out) == 1
+    assert sorted(r["id"] for r in out.read().to_pylist()) == ["a", "c"]          # "b" will be generated again
+    assert [r["id"] for r in pq.read_table(out.root / "retried").to_pylist()] == ["b"]
+    assert retry_errors(out) == 0 and not list(out.tmp.iterdir())
+
+
+def test_a_resume_with_another_configuration_is_refused_naming_the_changes(tmp_path, weightless_model):
+    from pipeline.job import preflight as pre
+    from pipeline.fingerprint import fingerprint
+
+    _shard(tmp_path, "a.parquet", id=["a"], prompt=["p"])
+    first = _config(tmp_path, weightless_model, sampling={"temperature": 0.0})
+    prepared = pre(first)
+    prepared.out.prepare(first.behaviour, {"model": str(weightless_model), "fingerprint": fingerprint(first)})
+    same = _config(tmp_path, weightless_model, sampling={"temperature": 0.0}, behaviour={"resume": True},
+                   engine={"block_size": 4})                                   # engine settings may change
+    pre(same)
+    changed = _config(tmp_path, weightless_model, sampling={"temperature": 0.7, "stop": ["x"]},
+                      prompt={"chat_template": "off"}, behaviour={"resume": True})
+    with pytest.raises(ConfigError, match=r"Changed: prompt.chat_template: 'auto' -> 'off'; sampling.stop: \[\] -> "
+                                          r"\['x'\]; sampling.temperature: 0.0 -> 0.7\. .*--allow-config-change"):
+        pre(changed)
+    pre(_config(tmp_path, weightless_model, sampling={"temperature": 0.7, "stop": ["x"]},
+                prompt={"chat_template": "off"}, behaviour={"resume": True, "allow_config_change": True}))

@@ -110,3 +110,30 @@ def test_a_crash_exits_4_with_one_paragraph_and_the_traceback_in_a_file(head, ti
     logs = list((tmp_path / "out" / "_logs").glob("crash-*.log"))
     assert len(logs) == 1 and f"Full traceback: {logs[0]}" in last and "Traceback" in logs[0].read_text()
     assert not (tmp_path / "out" / "_lease.json").exists()                    # released on the way out
+
+
+def test_retry_errors_and_the_config_change_refusal_end_to_end(head, tiny_orthrus_dir, tmp_path):
+    ids = [f"r{i}" for i in range(6)]
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": ids, "prompt": [f"def f{i}():" for i in range(6)]}), tmp_path / "in" / "a.parquet")
+    job = _job(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 4}, engine={"batch_size": 3})
+    proc = _generate(head, job, env={"ORTHRUS_FAULT_INJECT": "oom_on_id:r4"})   # r4 fails even alone: an error row
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    rows = {r["id"]: r for r in pq.read_table(out / "data").to_pylist()}
+    assert rows["r4"]["finish_reason"] == "error" and len(rows) == 6
+
+    changed = _generate(head, job, "--resume", "--set", "sampling.temperature=0.5")
+    assert changed.returncode == 2 and "Changed: sampling.temperature: 0.0 -> 0.5" in changed.stderr
+
+    proc = _generate(head, job, "--retry-errors")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--retry-errors: 1 error row(s) moved to" in proc.stdout
+    after = pq.read_table(out / "data").to_pylist()
+    assert sorted(r["id"] for r in after) == ids and all(r["finish_reason"] != "error" for r in after)
+    assert {r["id"]: r["completion"] for r in after if r["id"] != "r4"} == \
+        {i: r["completion"] for i, r in rows.items() if i != "r4"}               # the others untouched
+    assert [r["id"] for r in pq.read_table(out / "retried").to_pylist()] == ["r4"]
+
+    allowed = _generate(head, job, "--allow-config-change", "--set", "sampling.temperature=0.5")
+    assert allowed.returncode == 0, allowed.stdout[-3000:] + allowed.stderr[-3000:]

@@ -1,0 +1,36 @@
+"""What an output directory's rows depend on, recorded at each run and compared on resume.
+
+A resume that changed the model, the sampling settings or the prompt formatting would mix rows of
+two configurations in one output without a trace. ``_job.json`` records the fingerprint of the run
+that wrote it; ``--resume`` with a different one is refused, naming each field that changed, unless
+``--allow-config-change``. (Engine settings are left out on purpose: decoding is lossless, so the
+block size, speculation mode or batch size change speed, not the rows' distribution.)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config import ConfigError, JobConfig
+
+
+def fingerprint(config: JobConfig) -> dict[str, object]:
+    """Dotted field -> value for every setting the generated rows depend on."""
+    out: dict[str, object] = {"model.path": config.model.path, "model.revision": config.model.revision}
+    for section in ("prompt", "sampling"):
+        for name, value in getattr(config, section).model_dump(mode="json").items():
+            out[f"{section}.{name}"] = value
+    return out
+
+
+def check_unchanged(recorded: dict | None, legacy_model: str | None, current: dict[str, object],
+                    allow_change: bool, root: Path) -> None:
+    """Refuse a resume whose fingerprint differs from the recorded one (naming each change)."""
+    if recorded is None:            # written before fingerprints existed: only the model is known
+        recorded = {"model.path": legacy_model} if legacy_model is not None else {}
+        current = {k: v for k, v in current.items() if k in recorded}
+    changed = [f"{k}: {recorded.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(recorded) | set(current))
+               if recorded.get(k) != current.get(k)]
+    if changed and not allow_change:
+        raise ConfigError(f"output.path {root} was generated with a different configuration; resuming would mix "
+                          f"rows of both in one output. Changed: {'; '.join(changed)}. Restore those settings, "
+                          "choose another output.path, or pass --allow-config-change (behaviour.allow_config_change)")
