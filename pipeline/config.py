@@ -182,7 +182,8 @@ class AuditConfig(_Section):
     fraction: float = Field(0.0, ge=0.0, le=1.0, description=(
         "Fraction of greedy rows each actor re-decodes with plain AR on the same model, picked by a "
         "hash of the id (a rerun picks the same rows); the output gets audit_match and "
-        "audit_first_divergence. 0 = off; 0.01 costs about 1-2% more decoding."))
+        "audit_first_divergence. 0 = off. Cost: the audited rows decoded once more in plain AR, and a "
+        "batch holding one returns when its audit is done too."))
     max_batch_size: int = Field(4, ge=1, description=(
         "Slots of the audit engine in each actor (its KV cache is allocated for max_seq_len in each)."))
 

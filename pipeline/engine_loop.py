@@ -14,7 +14,8 @@ retries with *exclusive* groups: an exclusive group waits until the engine is em
 The loop can also own an *audit* engine (plain AR on the same model weights, its own small KV
 cache): groups sent there (``engine="audit"``) re-decode rows to check the main engine's output.
 Both engines are stepped by this one thread, alternately, so device work is never issued from two
-threads (CUDA graph capture forbids that). A ``row_timeout_s`` aborts main-engine requests that
+threads (CUDA graph capture forbids that); while an exclusive group runs, the audit engine waits,
+so the group is alone on the device. A ``row_timeout_s`` aborts requests (in either engine) that
 have held their slot longer; they come back with ``finish_reason == "abort"``.
 """
 from __future__ import annotations
@@ -75,6 +76,7 @@ class EngineLoop:
         self._inbox: list[_Group] = []
         self._cancelled: list[_Group] = []
         self._held: deque[_Group] = deque()        # normal groups waiting for exclusive ones to end
+        self._audits: deque[_Group] = deque()      # audit groups waiting for exclusive ones to end
         self._exclusive: deque[_Group] = deque()
         self._active: dict[str, _Group] = {}       # request id -> its group, for groups in an engine
         self._running_exclusive = False
@@ -114,7 +116,8 @@ class EngineLoop:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._cancelled or self._active or self._exclusive or self._held):
+                while not (self._inbox or self._cancelled or self._active or self._exclusive or self._held
+                           or self._audits):
                     self._cv.wait()
                 inbox, self._inbox = self._inbox, []
                 cancelled, self._cancelled = self._cancelled, []
@@ -122,40 +125,43 @@ class EngineLoop:
                 for g in cancelled:
                     self._cancel(g)
                 for g in inbox:
-                    if g.engine != MAIN:
-                        self._start(g)          # the audit engine has no exclusive groups
-                    else:
-                        (self._exclusive if g.exclusive else self._held).append(g)
+                    queue = self._audits if g.engine != MAIN else self._exclusive if g.exclusive else self._held
+                    queue.append(g)
                 self._start_groups()
                 self._expire()
                 for name, engine in self.engines.items():
-                    if engine.has_unfinished_requests():
+                    # an exclusive group runs alone on the device: the audit engine waits too
+                    if engine.has_unfinished_requests() and not (name != MAIN and self._running_exclusive):
                         self._step(name, engine)
             except Exception as err:  # noqa: BLE001 - a bug here must fail the batches, not hang them
                 self._fail_everything(err)
 
     def _fail_everything(self, err: BaseException) -> None:
         """Fail every group this loop knows and empty the engine (the actor then retries as usual)."""
-        groups = {id(g): g for g in [*self._active.values(), *self._held, *self._exclusive]}.values()
+        groups = {id(g): g for g in [*self._active.values(), *self._held, *self._exclusive, *self._audits]}.values()
         self._active.clear()
         self._held.clear()
         self._exclusive.clear()
+        self._audits.clear()
         for engine in self.engines.values():
             engine.reset()
         for g in groups:
             self._fail(g, err)
 
     def _start_groups(self) -> None:
-        """Start held groups unless an exclusive one is due; start an exclusive one on an empty engine."""
+        """Start held and audit groups unless an exclusive one is due; start an exclusive one once
+        both engines are empty (it runs alone on the device)."""
         if self._running_exclusive:
             return
         if self._exclusive:
-            if all(g.engine != MAIN for g in self._active.values()):    # the main engine is empty
+            if not self._active:
                 self._running_exclusive = True
                 self._start(self._exclusive.popleft())
             return
         while self._held:
             self._start(self._held.popleft())
+        while self._audits:
+            self._start(self._audits.popleft())
 
     def _start(self, group: _Group) -> None:
         engine = self.engines[group.engine]
@@ -180,21 +186,23 @@ class EngineLoop:
             self._running_exclusive = False
 
     def _cancel(self, group: _Group) -> None:
-        for queue in (self._held, self._exclusive):
+        for queue in (self._held, self._exclusive, self._audits):
             if group in queue:
                 queue.remove(group)
+                return              # never started: nothing of it in an engine
         self._drop(group)
 
     def _expire(self) -> None:
-        """Abort main-engine requests that have held a slot longer than the row timeout."""
+        """Abort requests (main or audit) that have held a slot longer than the row timeout."""
         now = time.perf_counter()
         if self.row_timeout_s is None or now < self._next_timeout_check:
             return
         self._next_timeout_check = now + min(_TIMEOUT_CHECK_S, self.row_timeout_s / 4)
-        for rid, seconds in self.engine.running_seconds().items():
-            if seconds > self.row_timeout_s and rid in self._active:
-                self.engine.abort_request(rid)   # returned by the next step with finish_reason "abort"
-                self.timed_out += 1
+        for engine in self.engines.values():
+            for rid, seconds in engine.running_seconds().items():
+                if seconds > self.row_timeout_s and rid in self._active:
+                    engine.abort_request(rid)    # returned by the next step with finish_reason "abort"
+                    self.timed_out += 1
 
     def _step(self, name: str, engine: OrthrusEngine) -> None:
         start = time.perf_counter()

@@ -3,8 +3,10 @@
 A resume that changed the model, the sampling settings or the prompt formatting would mix rows of
 two configurations in one output without a trace. ``_job.json`` records the fingerprint of the run
 that wrote it; ``--resume`` with a different one is refused, naming each field that changed, unless
-``--allow-config-change``. (Engine settings are left out on purpose: decoding is lossless, so the
-block size, speculation mode or batch size change speed, not the rows' distribution.)
+``--allow-config-change``. Included: the model, the input columns that make ids and prompts, every
+prompt and sampling setting, and the engine's dtype and context limit (bf16 rounds differently;
+the context limit ends rows). Left out on purpose: the other engine settings (block size,
+speculation mode, slots, batch size) change speed, not the rows' distribution.
 """
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ from pipeline.config import ConfigError, JobConfig
 
 def fingerprint(config: JobConfig) -> dict[str, object]:
     """Dotted field -> value for every setting the generated rows depend on."""
-    out: dict[str, object] = {"model.path": config.model.path, "model.revision": config.model.revision}
+    out: dict[str, object] = {"model.path": config.model.path, "model.revision": config.model.revision,
+                              "input.id_column": config.input.id_column,
+                              "input.prompt_column": config.input.prompt_column,
+                              "input.messages_column": config.input.messages_column,
+                              "engine.dtype": config.engine.dtype, "engine.max_seq_len": config.engine.max_seq_len}
     for section in ("prompt", "sampling"):
         for name, value in getattr(config, section).model_dump(mode="json").items():
             out[f"{section}.{name}"] = value

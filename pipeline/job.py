@@ -14,7 +14,7 @@ from pipeline.dataset import build_dataset
 from pipeline.fingerprint import check_unchanged, fingerprint
 from pipeline.inputs import InputPlan, inspect_inputs
 from pipeline.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
-from pipeline.output import OutputDir
+from pipeline.output import OutputDir, OutputWriteError
 from pipeline.progress import Progress
 from pipeline.prompts import uses_chat_template
 from pipeline.repair import RETRIED_DIR, dedupe, retry_errors
@@ -201,7 +201,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
                 **_throughput(tracker, start, wall, placement)}
     summary = summarize(out, run_info, config.model_dump(mode="json"))
     echo(render_table(summary, str(out.root)))
-    if summary["rows"]["duplicate_keys"]:  # impossible with one writer; loud if two jobs shared the dir
-        raise RuntimeError(f"{out.root}: {summary['rows']['duplicate_keys']} duplicate (id, sample_index) rows; "
-                           "was another job writing to the same output dir?")
+    if summary["rows"]["duplicate_keys"]:  # impossible with the lease; loud if it was bypassed
+        raise OutputWriteError(f"{out.root}: {summary['rows']['duplicate_keys']} duplicate (id, sample_index) rows; "
+                               "was another job writing to the same output dir? Repair with --dedupe")
     return summary

@@ -7,11 +7,14 @@ is refused at once (exit status 2) with the holder named.
 
 A lease whose holder is dead is taken over: on the same host when its pid is gone (or reused by
 another process: the start time differs), on another host when its heartbeat is older than
-``STALE_AFTER_S``. Takeover renames the stale file away (atomic: of two takers one wins) and checks
-that what it moved is the stale lease it judged, not a fresh one a faster taker had just written
-(that one is put back). The holder checks its token at every heartbeat; a holder that finds
-another token has lost the lease and stops committing (``lost``), so even a mistaken takeover
-cannot make two writers.
+``STALE_AFTER_S``. Takers are serialised by a second ``O_EXCL`` file, and a taker deletes the lease
+only if it is still the stale one it judged; then it creates its own with ``O_EXCL`` like anyone. The holder checks its token at every heartbeat and, through
+``OutputDir.commit``, right before every commit; a holder that finds another token has lost the
+lease and commits nothing more (``lost``), so a mistaken takeover costs the loser its run, not
+the output. A heartbeat that cannot be written is retried; after ``STALE_AFTER_S / 2`` without one
+the holder gives up the lease too (another host may judge it stale by then). Across hosts,
+staleness compares the heartbeat with the taker's clock: hosts are assumed to keep time (NTP)
+within a fraction of ``STALE_AFTER_S``.
 
 Local and shared filesystems; an object store needs a conditional create instead (not yet).
 """
@@ -31,6 +34,7 @@ from pipeline.config import ConfigError
 LEASE = "_lease.json"
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 120.0
+TAKEOVER_EXPIRES_S = 30.0
 
 
 class LeaseHeld(ConfigError):
@@ -99,7 +103,7 @@ class Lease:
         self.lost = False
         self._stop = threading.Event()
         root.mkdir(parents=True, exist_ok=True)
-        for _ in range(5):
+        for _ in range(50):
             if self._create() or self._take_over():
                 break
         else:
@@ -119,7 +123,11 @@ class Lease:
         return True
 
     def _take_over(self) -> bool:
-        """Move a stale lease aside (then the caller creates anew); raise if its holder lives."""
+        """Replace a stale lease by ours (→ True); False to try again; raise if its holder lives.
+
+        Takers are serialised by a second O_EXCL file (``_lease.json.takeover``), and only takers
+        ever delete a lease, so the one deleted is the stale one that was judged, never a fresh one.
+        """
         info, now = _read(self.path), time.time()
         if info is None:
             return False                              # gone meanwhile: try to create again
@@ -127,33 +135,54 @@ class Lease:
             check_free(self.path.parent)
         if not info and now - self.path.stat().st_mtime < STALE_AFTER_S:
             raise LeaseHeld(f"output.path {self.path.parent}: a job is taking the lease right now ({self.path})")
-        aside = self.path.with_name(f"{LEASE}.stale-{uuid.uuid4().hex[:8]}")
+        mutex = self.path.with_name(f"{LEASE}.takeover")
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        moved = _read(aside) or {}
-        if moved.get("token") != info.get("token"):    # a faster taker's fresh lease: put it back
+            os.close(os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
             try:
-                os.link(aside, self.path)
-            except FileExistsError:
+                if now - mutex.stat().st_mtime > TAKEOVER_EXPIRES_S:   # a taker died halfway
+                    mutex.unlink()
+            except FileNotFoundError:
                 pass
-            os.unlink(aside)
+            time.sleep(0.05)
             return False
-        os.unlink(aside)
-        print(f"[orthrus] took over the stale lease of {describe(info, now)}", flush=True)
-        return self._create()
+        try:
+            again = _read(self.path)
+            if again is None or again.get("token") != info.get("token"):
+                return False                          # replaced meanwhile: judge again
+            self.path.unlink()
+            print(f"[orthrus] took over the stale lease of {describe(info, now)}", flush=True)
+            return self._create()
+        finally:
+            mutex.unlink(missing_ok=True)
 
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            if (_read(self.path) or {}).get("token") != self.token:
+    def verify(self) -> bool:
+        """Whether the lease still names this job (False also sets ``lost``); an unreadable lease
+        file counts as ours until a heartbeat rewrites it."""
+        info = _read(self.path)
+        if self.lost or info is None or (info and info.get("token") != self.token):
+            if not self.lost:
                 self.lost = True
                 print(f"[orthrus] ERROR: lost the output lease {self.path}; committing stops", flush=True)
+        return not self.lost
+
+    def _beat(self) -> None:
+        last_ok = time.time()
+        while not self._stop.wait(HEARTBEAT_S):
+            if not self.verify():
                 return
-            self.info["heartbeat"] = time.time()
-            tmp = self.path.with_name(f"{LEASE}.{self.token}.tmp")
-            tmp.write_text(json.dumps(self.info))
-            os.replace(tmp, self.path)
+            try:
+                self.info["heartbeat"] = time.time()
+                tmp = self.path.with_name(f"{LEASE}.{self.token}.tmp")
+                tmp.write_text(json.dumps(self.info))
+                os.replace(tmp, self.path)
+                last_ok = time.time()
+            except OSError as e:   # a full disk or a network filesystem hiccup: try again next beat
+                if time.time() - last_ok > STALE_AFTER_S / 2:
+                    self.lost = True
+                    print(f"[orthrus] ERROR: cannot refresh the output lease {self.path} ({e}); committing stops",
+                          flush=True)
+                    return
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours."""

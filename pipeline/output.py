@@ -227,7 +227,7 @@ class OutputDir:
 
     def commit(self, table: pa.Table) -> Path:
         """Atomically add one part file (temp file, fsync, rename)."""
-        if self.lease is not None and self.lease.lost:
+        if self.lease is not None and not self.lease.verify():
             raise OutputWriteError(f"lost the lease on output.path {self.root} ({LEASE} now names another job); "
                                    f"stopped committing. The {self.committed} part file(s) this run committed are "
                                    "complete")

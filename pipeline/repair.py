@@ -12,6 +12,7 @@ rows again (seeded: the same rows).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,10 +25,11 @@ from pipeline.schema import key_strings
 
 def _replace_part(out: OutputDir, part: Path, keep: pa.Table) -> None:
     aside = out.tmp / (part.name + ".replaced")
+    committed = part.stat()
     part.rename(aside)
     fsync_dir(out.data)
-    if keep.num_rows:
-        out.commit(keep)
+    if keep.num_rows:   # the rewritten part keeps the old one's time: "first committed" stays true
+        os.utime(out.commit(keep), ns=(committed.st_atime_ns, committed.st_mtime_ns))
     aside.unlink()
 
 
@@ -48,7 +50,7 @@ def dedupe(out: OutputDir) -> int:
                 keep.append(i)
         if len(keep) < table.num_rows:
             removed += table.num_rows - len(keep)
-            _replace_part(out, part, table.take(keep))
+            _replace_part(out, part, table.take(pa.array(keep, pa.int64())))
     return removed
 
 
@@ -58,12 +60,16 @@ def retry_errors(out: OutputDir) -> int:
     archive = out.root / RETRIED_DIR
     for part in out.part_files():
         table = pq.read_table(part)
-        failed = pc.equal(table["finish_reason"], "error")
+        failed = pc.fill_null(pc.equal(table["finish_reason"], "error"), False)
         errors = table.filter(failed)
         if not errors.num_rows:
             continue
         archive.mkdir(exist_ok=True)
-        pq.write_table(errors, archive / f"{part.stem}.{out.run_id}.parquet")   # the record of what failed
+        # The record of what failed (written whole, then renamed; a crash before the part is rewritten
+        # makes the rerun write the record again, under its own run id).
+        record = out.tmp / f"{part.stem}.{out.run_id}.parquet"
+        pq.write_table(errors, record)
+        os.replace(record, archive / record.name)
         _replace_part(out, part, table.filter(pc.invert(failed)))
         moved += errors.num_rows
     assert (out.root / DATA_DIR).is_dir()

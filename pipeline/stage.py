@@ -189,8 +189,8 @@ class GenerationStage:
                 self._audit([prompts[i] for i in audited], [params[i] for i in audited]))
             for i, r in zip(todo, out):
                 results[i] = self._finished(r, i, errors)
-            for i, r in zip(audited, ar):
-                if isinstance(results[i], RequestOutput) and r is not None:
+            for i, r in zip(audited, ar):    # an audit that failed or timed out leaves the columns null
+                if isinstance(results[i], RequestOutput) and r is not None and r.finish_reason != "abort":
                     audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
         table = self._assemble(batch, results, errors, params, audits, (started, seconds),
@@ -198,7 +198,10 @@ class GenerationStage:
         table = detokenize_batch(table, self.tokenizer)
         end = self.loop.occupancy()
         if self.metrics is not None:
-            self.metrics.record(table, end.iterations, end.busy_slot_iterations, end.slots)
+            try:
+                self.metrics.record(table, end.iterations, end.busy_slot_iterations, end.slots)
+            except Exception as e:  # noqa: BLE001 - metrics are for watching; they never fail a finished batch
+                print(f"[orthrus] actor {self.actor}: could not update metrics: {type(e).__name__}: {e}", flush=True)
         self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
                   time.perf_counter() - call_start, end.engine_ms / 1000)
         return table
@@ -210,7 +213,7 @@ class GenerationStage:
             return None
         if r.finish_reason == "abort":   # only the row timeout aborts a request that reaches here
             errors[i] = (f"row timeout: aborted after {r.engine_seconds:.1f} s in the engine "
-                         f"(behaviour.row_timeout_s={self.plan.row_timeout_s:g}) with {len(r.token_ids)} "
+                         f"(behaviour.row_timeout_s={self.plan.row_timeout_s}) with {len(r.token_ids)} "
                          "tokens generated")
             return None
         return r

@@ -184,38 +184,37 @@ def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, hol
     assert not list((tmp_path / "out").glob("_lease.json*"))
 
 
-def _race(root: str, barrier, results) -> None:
-    import time
-
-    from pipeline.lease import Lease, LeaseHeld
-
-    barrier.wait()
-    try:
-        lease = Lease(__import__("pathlib").Path(root), "racer")
-    except LeaseHeld:
-        results.put("refused")
-        return
-    results.put("won")
-    time.sleep(3)
-    lease.release()
+_RACER = """
+import sys, time
+from pathlib import Path
+from pipeline.lease import Lease, LeaseHeld
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
+try:
+    lease = Lease(Path(sys.argv[1]), "racer")
+except LeaseHeld:
+    print("refused", flush=True)
+    sys.exit(0)
+print("won", flush=True)
+time.sleep(3)
+lease.release()
+"""
 
 
 @pytest.mark.parametrize("start", ["empty", "stale"])
 def test_of_jobs_racing_for_a_lease_exactly_one_wins(tmp_path, start):
-    import multiprocessing as mp
+    import subprocess
+    import sys
+    import time
+
+    from test_pipeline_units import TOKENIZER_DIR
 
     if start == "stale":
         import socket
-        import time
         _plant(tmp_path / "out", host=socket.gethostname(), pid=_dead_pid(), heartbeat=time.time())
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(6), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(str(tmp_path / "out"), barrier, results)) for _ in range(6)]
-    for p in procs:
-        p.start()
-    outcome = sorted(results.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    at = time.time() + 4
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path / "out"), str(at)], cwd=TOKENIZER_DIR.parents[1],
+                              stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    outcome = sorted(p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs)
     assert outcome == ["refused"] * 5 + ["won"]
 
 
@@ -256,11 +255,13 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
     out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "completion": ["first-a", "first-b"]}))
     time.sleep(0.01)
     out.commit(pa.table({"id": ["b", "c", "c"], "sample_index": [0, 0, 0], "completion": ["second-b", "c1", "c2"]}))
-    with pytest.raises(ConfigError, match=r"holds 2 duplicate \(id, sample_index\) row\(s\).*rerun with --dedupe"):
+    time.sleep(0.01)
+    out.commit(pa.table({"id": ["a"], "sample_index": [0], "completion": ["third-a"]}))     # a part of copies only
+    with pytest.raises(ConfigError, match=r"holds 3 duplicate \(id, sample_index\) row\(s\).*rerun with --dedupe"):
         preflight(_config(tmp_path, weightless_model, behaviour={"resume": True}))
     prepared = preflight(_config(tmp_path, weightless_model, behaviour={"resume": True, "dedupe": True}))
     prepared.out.prepare(prepared.config.behaviour, {"model": str(weightless_model)})
-    assert dedupe(prepared.out) == 2
+    assert dedupe(prepared.out) == 3
     rows = sorted((r["id"], r["completion"]) for r in prepared.out.read().to_pylist())
     assert rows == [("a", "first-a"), ("b", "first-b"), ("c", "c1")]
     assert dedupe(prepared.out) == 0 and prepared.out.duplicates() == (0, None)
@@ -310,3 +311,24 @@ def test_a_resume_with_another_configuration_is_refused_naming_the_changes(tmp_p
         pre(changed)
     pre(_config(tmp_path, weightless_model, sampling={"temperature": 0.7, "stop": ["x"]},
                 prompt={"chat_template": "off"}, behaviour={"resume": True, "allow_config_change": True}))
+
+
+def test_an_unreadable_lease_is_rewritten_by_its_holder_not_given_up(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from pipeline import lease as L
+
+    monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
+    with L.Lease(tmp_path / "out", "run-1") as lease:
+        (tmp_path / "out" / "_lease.json").write_text("{ half a write")
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            time.sleep(0.05)
+            try:
+                if json.loads((tmp_path / "out" / "_lease.json").read_text())["token"] == lease.token:
+                    break
+            except ValueError:
+                continue
+        assert not lease.lost and lease.verify()
+        assert json.loads((tmp_path / "out" / "_lease.json").read_text())["token"] == lease.token
