@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from jobs import bench_job
+from jobs import bench_audit, bench_job
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.attention import BlockBatch
@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"n = 4 samples per prompt, prefill: {report['shared_prefill']}", flush=True)
         report["stop_strings"] = bench_job.stop_string_waste(args.job_config)
         print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
+        report["audit_overhead"] = bench_audit.audit_overhead(args.model, args.prompts)
+        print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20

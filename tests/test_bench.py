@@ -51,3 +51,12 @@ def test_bench_shared_prefill_counts_each_prompt_once():
     model = OrthrusForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     report = shared_prefill(model, [[5, 6, 7, 8], [9, 10, 11]], slots=4, n=4, max_new_tokens=6)
     assert report["prefill_tokens"] == report["prompt_tokens_once"] == 7
+
+
+def test_bench_audit_overhead_reports_every_fraction():
+    from jobs.bench_audit import audit_overhead
+
+    report = audit_overhead(MODEL, SHARDS, rows=6, max_new_tokens=8, reps=1, fractions=(0.0, 1.0), slots=2)
+    assert set(report["by_fraction"]) == {"0.0", "1.0"} and report["by_fraction"]["0.0"]["x_no_audit"] == 1.0
+    full = report["by_fraction"]["1.0"]
+    assert full["rows_audited"] == full["exact_matches"] == 6        # float32: every audited row matches
