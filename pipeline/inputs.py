@@ -207,9 +207,11 @@ def _id_column(cfg: InputConfig, schemas: list[pa.Schema], files: list[str]) -> 
 def _partitions(files: list[str], roots: list[str], schema: pa.Schema) -> tuple[str | None, dict[str, str]]:
     """Hive partition keys of the files' paths below the inputs' common directory, as Ray's
     reader will parse them (its own parser) → (that directory, {key: first file having it})."""
+    base = os.path.commonpath([r if os.path.isdir(r) else os.path.dirname(r) for r in roots])
+    if not any("=" in os.path.relpath(os.path.dirname(f), base) for f in files):
+        return None, {}                               # no key=value directory: skip importing Ray
     from ray.data.datasource.partitioning import Partitioning, PathPartitionParser
 
-    base = os.path.commonpath([r if os.path.isdir(r) else os.path.dirname(r) for r in roots])
     parse = PathPartitionParser(Partitioning("hive", base_dir=base))
     keys: dict[str, str] = {}
     for path in files:

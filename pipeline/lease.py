@@ -8,7 +8,8 @@ is refused at once (exit status 2) with the holder named.
 A lease whose holder is dead is taken over: on the same host when its pid is gone (or reused by
 another process: the start time differs), on another host when its heartbeat is older than
 ``STALE_AFTER_S``. Takers are serialised by a second ``O_EXCL`` file, and a taker deletes the lease
-only if it is still the stale one it judged; then it creates its own with ``O_EXCL`` like anyone. The holder checks its token at every heartbeat and, through
+only if it is still the stale one it judged; then it creates its own with ``O_EXCL`` like anyone.
+The holder checks its token at every heartbeat and, through
 ``OutputDir.commit``, right before every commit; a holder that finds another token has lost the
 lease and commits nothing more (``lost``), so a mistaken takeover costs the loser its run, not
 the output. A heartbeat that cannot be written is retried; after ``STALE_AFTER_S / 2`` without one

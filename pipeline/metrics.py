@@ -21,10 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import tokens_per_cycle
-
-
-def _sum(col: pa.ChunkedArray) -> int:
-    return int(pc.sum(col).as_py() or 0)
+from pipeline.summary import column_sum
 
 
 class ActorMetrics:
@@ -64,9 +61,9 @@ class ActorMetrics:
             self.rows.inc(ok.num_rows, tags={"status": "ok"})
         if table.num_rows > ok.num_rows:
             self.rows.inc(table.num_rows - ok.num_rows, tags={"status": "error"})
-        batch = [_sum(ok["num_cycles"]), _sum(ok["num_draft_tokens"]), _sum(ok["num_accepted_draft_tokens"])]
+        batch = [column_sum(ok[name]) for name in ("num_cycles", "num_draft_tokens", "num_accepted_draft_tokens")]
         for metric, value in zip((self.tokens, self.cycles, self.drafts, self.accepted),
-                                 (_sum(ok["num_completion_tokens"]), *batch)):
+                                 (column_sum(ok["num_completion_tokens"]), *batch)):
             if value:
                 metric.inc(value)
         self._totals = [t + b for t, b in zip(self._totals, batch)]
@@ -76,7 +73,7 @@ class ActorMetrics:
         if drafts:
             self.acceptance.set(accepted / drafts)
         audited = table.filter(pc.is_valid(table["audit_match"]))
-        matches = _sum(pc.cast(audited["audit_match"], pa.int64()))
+        matches = column_sum(pc.cast(audited["audit_match"], pa.int64()))
         for result, count in (("match", matches), ("diverged", audited.num_rows - matches)):
             if count:
                 self.audit.inc(count, tags={"result": result})

@@ -178,7 +178,7 @@ class GenerationStage:
         params = self._params(batch)
         todo = self._check(prompts, params, errors)
         results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
-        audits: list[int | None | bool] = [False] * batch.num_rows   # False: not audited, else divergence
+        audits: dict[int, int | None] = {}      # audited row -> its first divergence (None: equal to AR)
         if self.faults:
             await self.faults.slow_down()
         if todo:
@@ -237,7 +237,7 @@ class GenerationStage:
         return ids
 
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None],
-                  params: list[SamplingParams | None], audits: list, call_time: tuple[float, float],
+                  params: list[SamplingParams | None], audits: dict[int, int | None], call_time: tuple[float, float],
                   occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
@@ -258,8 +258,8 @@ class GenerationStage:
             "time_waiting_s": (pa.float64(), [r.queue_seconds if r else None for r in ok]),
             "time_in_engine_s": (pa.float64(), [r.engine_seconds if r else None for r in ok]),
             "batch_wall_seconds": (pa.float64(), [call_seconds] * n),
-            "audit_match": (pa.bool_(), [None if a is False else a is None for a in audits]),
-            "audit_first_divergence": (pa.int64(), [None if a is False else a for a in audits]),
+            "audit_match": (pa.bool_(), [audits[i] is None if i in audits else None for i in range(n)]),
+            "audit_first_divergence": (pa.int64(), [audits.get(i) for i in range(n)]),
             "seed": (pa.int64(), [p.seed if p else s for p, s in zip(params, batch["seed"].to_pylist())]),
             "model": (pa.string(), [self.plan.model.path] * n),
             S.TEXT_IDS: (pa.list_(pa.int32()), [self._text_ids(r) if r else None for r in ok]),

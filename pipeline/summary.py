@@ -38,7 +38,8 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def _sum(col: pa.ChunkedArray) -> int:
+def column_sum(col: pa.ChunkedArray) -> int:
+    """Sum of an integer column (0 when empty or all null)."""
     return int(pc.sum(col).as_py() or 0)
 
 
@@ -66,7 +67,7 @@ def _tokens_per_cycle(ok: pa.Table) -> dict[str, float | None]:
         return {"mean_per_row": None, "token_weighted": None, "pooled": None, "tpf_pooled": None}
     tpc = spec["tokens_per_cycle"].to_numpy()
     weights = spec["num_completion_tokens"].to_numpy().astype(float)
-    pooled = tokens_per_cycle(_sum(spec["num_accepted_draft_tokens"]), _sum(spec["num_cycles"]))
+    pooled = tokens_per_cycle(column_sum(spec["num_accepted_draft_tokens"]), column_sum(spec["num_cycles"]))
     return {"mean_per_row": float(tpc.mean()),
             "token_weighted": float((tpc * weights).sum() / weights.sum()) if weights.sum() else None,
             "pooled": pooled, "tpf_pooled": pooled / 2}
@@ -88,17 +89,18 @@ def row_statistics(table: pa.Table) -> dict:
     reasons = dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist())) if counts else {}
     hist = _histogram(ok["accept_length_histogram"])
     rate, cond = acceptance_by_position(hist)
-    drafts, accepted = _sum(ok["num_draft_tokens"]), _sum(ok["num_accepted_draft_tokens"])
+    drafts, accepted = column_sum(ok["num_draft_tokens"]), column_sum(ok["num_accepted_draft_tokens"])
     errors = table.filter(pc.equal(table["finish_reason"], "error")).slice(0, 5)
     return {
         "rows": {"total": table.num_rows, "ok": ok.num_rows, "error": table.num_rows - ok.num_rows,
                  "finish_reason": reasons, "duplicate_keys": _duplicates(table)},
-        "tokens": {"prompt": _sum(ok["num_prompt_tokens"]), "completion": _sum(ok["num_completion_tokens"]),
+        "tokens": {"prompt": column_sum(ok["num_prompt_tokens"]),
+                   "completion": column_sum(ok["num_completion_tokens"]),
                    # decoded past a stop string before the row ended (at most one block per row)
-                   "decoded_after_stop": (_sum(ok["num_tokens_after_stop"])
+                   "decoded_after_stop": (column_sum(ok["num_tokens_after_stop"])
                                           if "num_tokens_after_stop" in ok.column_names else None)},
         "speculation": {
-            "cycles": _sum(ok["num_cycles"]), "forward_passes": _sum(ok["num_forward_passes"]),
+            "cycles": column_sum(ok["num_cycles"]), "forward_passes": column_sum(ok["num_forward_passes"]),
             "draft_tokens": drafts, "accepted_draft_tokens": accepted,
             "draft_acceptance_rate": accepted / drafts if drafts else None,
             "tokens_per_cycle": _tokens_per_cycle(ok),

@@ -286,8 +286,7 @@ class OrthrusEngine:
         done, reasons, tokens, live = self.table.record(slots, out, k)
         if policy:
             policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
-        # SYNC: none — numpy on the host, not a device read
-        ended = dict(zip(done.tolist(), reasons.tolist()))
+        ended = dict(zip(done.tolist(), reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(slots)
         cut = [s for s in hits if s not in ended]
         if cut:   # rows whose stop string ended them while the device still thinks they run
@@ -298,8 +297,7 @@ class OrthrusEngine:
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
         hits: dict[int, StopHit] = {}
-        # SYNC: none — numpy on the host, not a device read
-        for slot in slots[self.table.has_stops[slots]].tolist():
+        for slot in slots[self.table.has_stops[slots]].tolist():  # SYNC: none (host numpy)
             req, tokens = self.table.requests[slot], self.table.generated(slot)
             if len(tokens) > req.scanned:
                 hit = self.stops.scan(tokens, req.scanned, req.params.stop)
@@ -312,10 +310,9 @@ class OrthrusEngine:
         """Seat waiting requests in free slots (FIFO) and prefill them."""
         free, reqs = scheduler.admit(self._waiting, self.table.free_slots())
         donors = {key: s for s, key in self._retained.items()}
-        # SYNC: none — numpy on the host, not a device read
-        donors.update((self.table.requests[s].key, s) for s in self.table.occupied().tolist())
-        # SYNC: none — numpy on the host, not a device read
-        for slot in free.tolist():       # about to be prefilled (after any copy out of them)
+        occupied = self.table.occupied().tolist()  # SYNC: none (host numpy)
+        donors.update((self.table.requests[s].key, s) for s in occupied)
+        for slot in free.tolist():       # SYNC: none (host numpy); about to be prefilled (after any copy out of them)
             self._retained.pop(slot, None)
         now = time.perf_counter()
         for r in reqs:

@@ -34,8 +34,7 @@ def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int
     distinct: dict[tuple[int, ...], int] = {}
     owners: list[int] = []
     copies, lent = [], []                         # (from slot, to slot): after / before the forward
-    # SYNC: none — numpy on the host, not a device read
-    for r, slot in zip(reqs, slots.tolist()):
+    for r, slot in zip(reqs, slots.tolist()):  # SYNC: none (host numpy)
         if r.key in donors:
             lent.append((donors[r.key], slot))
         elif r.key in distinct:
@@ -50,8 +49,8 @@ def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int
 
     def long(xs: list[int]) -> torch.Tensor:
         return torch.as_tensor(xs, dtype=torch.long, device=device)
-    # SYNC: none — numpy on the host, not a device read
-    batch = PrefillBatch(long(slots.tolist()), long([len(r.prompt) for r in reqs]), padded.to(device),
+    slot_list = slots.tolist()  # SYNC: none (host numpy)
+    batch = PrefillBatch(long(slot_list), long([len(r.prompt) for r in reqs]), padded.to(device),
                          long([len(p) for p in distinct]), long(owners), long([c[0] for c in copies]),
                          long([c[1] for c in copies]), long([c[0] for c in lent]), long([c[1] for c in lent]),
                          max((len(r.key) for r in reqs if r.key in donors), default=0))

@@ -48,8 +48,7 @@ class SlotTable:
 
     def admit(self, slots: np.ndarray, requests: list[Request]) -> None:
         """Seat ``requests`` in ``slots`` with fresh counters."""
-        # SYNC: none — numpy on the host, not a device read
-        for slot, req in zip(slots.tolist(), requests):
+        for slot, req in zip(slots.tolist(), requests):  # SYNC: none (host numpy)
             self.requests[slot] = req
             req.slot = slot
         self.busy_mask[slots] = True
@@ -104,11 +103,9 @@ class SlotTable:
         c, a = int(self.cycles[slot]), int(self.ar_steps[slot])
         stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
                          num_accepted_draft_tokens=int(self.accepted[slot]),
-                         # SYNC: none — numpy on the host, not a device read
-                         accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a,
+                         accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a,  # SYNC: none (host numpy)
                          num_tokens_after_stop=0 if end is None else count - end)
-        # SYNC: none — numpy on the host, not a device read
-        tokens = self.tokens[slot, :keep].tolist()
+        tokens = self.tokens[slot, :keep].tolist()  # SYNC: none (host numpy)
         self.requests[slot] = None
         self.busy_mask[slot] = False
         req.slot = -1

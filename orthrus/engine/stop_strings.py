@@ -39,16 +39,14 @@ class StopStringScanner:
     def scan(self, tokens: np.ndarray, scanned: int, stops: tuple[str, ...]) -> StopHit | None:
         """Search ``tokens`` (all generated so far; the first ``scanned`` were searched before)."""
         overlap = 4 * max(len(s) for s in stops) + 8
-        # SYNC: none — numpy on the host, not a device read
-        window = self.decode(tokens[max(0, scanned - overlap):].tolist())
+        window = self.decode(tokens[max(0, scanned - overlap):].tolist())  # SYNC: none (host numpy)
         if not any(s in window for s in stops):
             return None
         return self.cut(tokens, stops)
 
     def cut(self, tokens: np.ndarray, stops: tuple[str, ...]) -> StopHit | None:
         """The earliest stop string in the completion and the longest token prefix before it."""
-        # SYNC: none — numpy on the host, not a device read
-        ids = tokens.tolist()
+        ids = tokens.tolist()  # SYNC: none (host numpy)
         text = self.decode(ids)
         hits = [(text.find(s), s) for s in stops if s in text]
         if not hits:
