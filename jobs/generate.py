@@ -24,9 +24,8 @@ import sys
 
 from pipeline.cluster import connect
 from pipeline.config import ConfigError, load_config
-from pipeline.job import preflight, run
+from pipeline.job import preflight, run, take_lease
 from pipeline.crash import crash_message
-from pipeline.lease import Lease
 from pipeline.output import OutputWriteError
 
 
@@ -60,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     output = None
     try:
         prepared = preflight(load_config(args.config, [*args.overrides, *flags]))
-        output = prepared.out.root
-        with Lease(output, prepared.out.run_id) as lease:   # before Ray starts: one writer per directory
+        output = prepared.out
+        with take_lease(output) as lease:   # before Ray starts: one writer per directory
             prepared.out.lease = lease
             summary = run(prepared, connect(args.address))
     except ConfigError as e:

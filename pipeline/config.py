@@ -25,8 +25,9 @@ class InputConfig(_Section):
     """Where the prompts come from and which columns hold what."""
 
     paths: list[str] = Field(min_length=1, description=(
-        "Parquet inputs: files, directories (read recursively) or glob patterns. Relative paths are "
-        "resolved against the driver's working directory; on a cluster use shared storage."))
+        "Parquet inputs: files, directories or prefixes (read recursively) or glob patterns, as local "
+        "paths or URIs (s3://bucket/prefix, gs://..., hdfs://...; see the storage section). Relative "
+        "paths are resolved against the driver's working directory."))
     id_column: str = Field("id", min_length=1, description=(
         "Column holding each row's unique id. If no input file has it, ids are derived as "
         "'<file name>:<row index>'."))
@@ -39,15 +40,17 @@ class OutputConfig(_Section):
     """Where completions and the run summary go."""
 
     path: str = Field(min_length=1, description=(
-        "Output directory: Parquet parts under data/, summary.json and summary.png at the top. "
-        "Must not be inside an input directory."))
+        "Output directory or object-store prefix (s3://bucket/prefix, ...): Parquet parts under data/, "
+        "summary.json and summary.png at the top. Must not be inside an input directory."))
 
 
 class ModelConfig(_Section):
     """The Orthrus checkpoint to load."""
 
     path: str = Field(min_length=1, description=(
-        "Local HF-layout checkpoint directory (with tokenizer files), or a Hugging Face hub id."))
+        "HF-layout checkpoint (with tokenizer files): a local directory, an object-store prefix "
+        "(s3://bucket/model, downloaded once per node into storage.model_cache_dir), or a Hugging "
+        "Face hub id."))
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit); hub ids only.")
 
 
@@ -188,6 +191,23 @@ class AuditConfig(_Section):
         "Slots of the audit engine in each actor (its KV cache is allocated for max_seq_len in each)."))
 
 
+class StorageConfig(_Section):
+    """How URIs in input.paths, output.path and model.path reach their store (credentials: never here)."""
+
+    region: str | None = Field(None, description=(
+        "S3 region (None: the environment's AWS_REGION/AWS_DEFAULT_REGION or the SDK's default); for "
+        "gs:// the location of buckets pyarrow creates (none here)."))
+    endpoint: str | None = Field(None, description=(
+        "Endpoint override for S3- or GCS-compatible stores, e.g. 'http://minio.internal:9000' "
+        "(the scheme, http or https, is taken from it). None: the provider's own endpoint."))
+    anonymous: bool = Field(False, description="Access public buckets without credentials.")
+    connect_timeout_s: float | None = Field(None, gt=0.0, description="S3 connect timeout; None: the SDK's.")
+    request_timeout_s: float | None = Field(None, gt=0.0, description="S3/GCS request timeout; None: the SDK's.")
+    model_cache_dir: str = Field("~/.cache/orthrus/models", min_length=1, description=(
+        "Local directory where each node keeps models downloaded from object storage (one download per "
+        "node and model, guarded by a file lock; reused by later jobs while the remote files are unchanged)."))
+
+
 class JobConfig(_Section):
     """One generation job."""
 
@@ -200,6 +220,8 @@ class JobConfig(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Actor resources.")
     behaviour: BehaviourConfig = Field(default_factory=BehaviourConfig, description="Resume / overwrite / guards.")
     audit: AuditConfig = Field(default_factory=AuditConfig, description="Lossless audit against plain AR.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description=(
+        "Object-store settings for URIs (region, endpoint, anonymous access, model cache)."))
 
 
 def _describe(err: ValidationError, source: str) -> str:

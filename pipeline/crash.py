@@ -13,7 +13,6 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.output import LOGS_DIR
 
 
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.*)$", re.M)
@@ -53,21 +52,24 @@ def root_cause(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, (str(exc).strip().splitlines() or [""])[0][:500]
 
 
-def _write_log(exc: BaseException, output: Path | None) -> Path:
+def _write_log(exc: BaseException, output) -> str:
     text = "".join(traceback.format_exception(exc))
     name = f"crash-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    for folder in ([output / LOGS_DIR] if output is not None else []) + [Path(tempfile.gettempdir())]:
+    if output is not None:
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(text)
-            return folder / name
+            return output.write_log(name, text)    # <output>/_logs/, local or on the object store
         except OSError:
-            continue
-    return Path("<not written>")
+            pass
+    try:
+        (Path(tempfile.gettempdir()) / name).write_text(text)
+        return str(Path(tempfile.gettempdir()) / name)
+    except OSError:
+        return "<not written>"
 
 
-def crash_message(exc: BaseException, output: Path | None) -> str:
-    """Write the traceback to a log file and return the paragraph to print (exit status 4)."""
+def crash_message(exc: BaseException, output) -> str:
+    """Write the traceback to ``<output>/_logs/`` (``output``: the job's output directory, or None; the
+    temp directory if that fails) and return the paragraph to print (exit status 4)."""
     name, first = root_cause(exc)
     log = _write_log(exc, output)
     return (f"error: the job crashed: {name}: {first}. This is a bug or an environment "

@@ -30,9 +30,10 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
     # preflight found them (pipeline/inputs.py); none elsewhere, so a '=' higher up adds nothing.
     partitioning = Partitioning("hive", base_dir=inputs.partition_base) if inputs.partition_columns else None
     ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
-                               file_extensions=None, partitioning=partitioning)
+                               file_extensions=None, partitioning=partitioning,
+                               filesystem=inputs.filesystem)
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
-                         finished=finished if len(finished) else None)
+                         storage=config.storage, finished=finished if len(finished) else None)
     ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow")
     # Small shards arrive as one block; re-cut into batch-sized blocks so work spreads over the
     # actors and each finished batch reaches the driver (and disk) while the job runs.
@@ -43,7 +44,7 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
                                                  sampling=config.sampling, use_gpu=placement.use_gpu,
                                                  audit=config.audit,
                                                  row_timeout_s=config.behaviour.row_timeout_s,
-                                                 fault_inject=faults)},
+                                                 fault_inject=faults, storage=config.storage)},
         batch_size=config.engine.batch_size,
         batch_format="pyarrow",
         # Several batches in flight per actor, all feeding its one engine: its slots stay busy across

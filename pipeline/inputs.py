@@ -4,6 +4,9 @@ Everything here runs on the driver before any model loads, so a missing column, 
 wrong type, a corrupt file or a duplicate id fails the job at once, naming the file and the field.
 Every file is read in full once (row group by row group, so memory stays bounded): a corrupt data
 page must stop the job here, not kill a read task hours into the run.
+
+Inputs are local paths or URIs of one filesystem (``pipeline/storage.py``); on an object store a
+"directory" is a key prefix, and globs are matched against the listing below their fixed prefix.
 """
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.column_types import check_group, plain_type
-from pipeline.config import ConfigError, InputConfig
+from pipeline.config import ConfigError, InputConfig, StorageConfig
 from pipeline.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
                              RAY_ROW_HASH_COLUMN)
+from pipeline.storage import Location, glob_regex, info, is_remote, list_files, locate
 
 _GLOB_CHARS = set("*?[")
 
@@ -28,7 +33,7 @@ _GLOB_CHARS = set("*?[")
 class InputPlan:
     """What the pipeline needs to know about its inputs (picklable; shipped to Ray tasks)."""
 
-    files: tuple[str, ...]              # absolute paths, sorted
+    files: tuple[str, ...]              # absolute paths (inside ``filesystem``), sorted
     file_rows: tuple[int, ...]          # rows per file, aligned with ``files``
     roots: tuple[str, ...]              # directories searched (and single files named) by input.paths
     schema: pa.Schema                   # unified schema of all files
@@ -40,6 +45,8 @@ class InputPlan:
     passthrough: tuple[str, ...]        # input columns copied to the output unchanged
     partition_base: str | None = None   # hive partitions (key=value directories) are read below this
     partition_columns: tuple[str, ...] = ()   # their keys: string pass-through columns
+    filesystem: pafs.FileSystem | None = None  # None: the local filesystem; else the store of every input
+    scheme: str = "file"                # 's3', 'gs', ... for inputs in object storage
 
     @property
     def rows_per_file(self) -> dict[str, int]:
@@ -81,20 +88,56 @@ def _expand(pattern: str, index: int) -> tuple[list[str], str]:
     return [os.path.realpath(f) for f in files], os.path.realpath(root)
 
 
-def resolve_files(cfg: InputConfig) -> tuple[list[str], list[str]]:
-    """All input files (deduplicated, sorted) and the directories they came from."""
+def _hidden(relative: str) -> bool:
+    return any(part.startswith((".", "_")) for part in relative.split("/"))
+
+
+def _expand_remote(loc: Location, where: str) -> tuple[list[str], str]:
+    """Like :func:`_expand`, on an object store or other remote filesystem."""
+    if any(c in loc.path for c in _GLOB_CHARS):
+        parts = loc.path.split("/")
+        fixed = next(i for i, p in enumerate(parts) if any(c in p for c in _GLOB_CHARS))
+        root = "/".join(parts[:fixed])
+        match = glob_regex(loc.path)
+        listed = list_files(Location(loc.fs, root, loc.scheme), where)
+        return [f.path for f in listed if match.match(f.path)], root
+    found = info(loc, where)
+    if found.type == pafs.FileType.File:
+        return [loc.path], loc.path
+    if found.type == pafs.FileType.NotFound:
+        raise ConfigError(f"{where}: no such file or prefix")
+    listed = list_files(loc, where)
+    return [f.path for f in listed if f.path.endswith(".parquet")
+            and not _hidden(f.path[len(loc.path):].lstrip("/"))], loc.path
+
+
+def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
+                  ) -> tuple[list[str], list[str], Location | None]:
+    """All input files (deduplicated, sorted), the directories they came from, and their filesystem
+    (None: local)."""
     files: set[str] = set()
     roots: list[str] = []
+    schemes = {is_remote(p) and locate(p, storage, "input.paths").scheme for p in cfg.paths}
+    if len(schemes) > 1:
+        raise ConfigError(f"input.paths mixes filesystems ({', '.join(cfg.paths)}); put every input in one store")
+    remote = None
     for i, pattern in enumerate(cfg.paths):
-        found, root = _expand(pattern, i)
+        where = f"input.paths[{i}] ({pattern!r})"
+        if is_remote(pattern):
+            remote = locate(pattern, storage, where)
+            found, root = _expand_remote(remote, where)
+            if not found:
+                raise ConfigError(f"{where}: matched no Parquet files")
+        else:
+            found, root = _expand(pattern, i)
         files.update(found)
         roots.append(root)
-    return sorted(files), roots
+    return sorted(files), roots, remote
 
 
-def _read_schema(path: str) -> tuple[pa.Schema, int]:
+def _read_schema(path: str, fs: pafs.FileSystem | None) -> tuple[pa.Schema, int]:
     try:
-        meta = pq.ParquetFile(path).metadata
+        meta = pq.ParquetFile(path, filesystem=fs).metadata
         return meta.schema.to_arrow_schema(), meta.num_rows
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"input file {path} is not a readable Parquet file: {e}") from None
@@ -125,12 +168,13 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
         _check_type(name, ok, "a number", schemas, files)
 
 
-def _scan(path: str, id_col: str | None, passthrough: list[pa.Field]) -> pa.ChunkedArray | None:
+def _scan(path: str, id_col: str | None, passthrough: list[pa.Field],
+          fs: pafs.FileSystem | None) -> pa.ChunkedArray | None:
     """Read every row group of ``path`` (corruption shows up here), check that its pass-through
     columns can be carried (``column_types.check_group``); return its id column."""
     ids, where = [], "footer"
     try:
-        f = pq.ParquetFile(path)
+        f = pq.ParquetFile(path, filesystem=fs)
         for g in range(f.num_row_groups):
             where = f"row group {g} of {f.num_row_groups}"
             group = f.read_row_group(g)
@@ -207,7 +251,8 @@ def _id_column(cfg: InputConfig, schemas: list[pa.Schema], files: list[str]) -> 
 def _partitions(files: list[str], roots: list[str], schema: pa.Schema) -> tuple[str | None, dict[str, str]]:
     """Hive partition keys of the files' paths below the inputs' common directory, as Ray's
     reader will parse them (its own parser) → (that directory, {key: first file having it})."""
-    base = os.path.commonpath([r if os.path.isdir(r) else os.path.dirname(r) for r in roots])
+    named = set(files)   # a root that is one of the files is a single named file
+    base = os.path.commonpath([os.path.dirname(r) if r in named else r for r in roots])
     if not any("=" in os.path.relpath(os.path.dirname(f), base) for f in files):
         return None, {}                               # no key=value directory: skip importing Ray
     from ray.data.datasource.partitioning import Partitioning, PathPartitionParser
@@ -224,10 +269,11 @@ def _partitions(files: list[str], roots: list[str], schema: pa.Schema) -> tuple[
     return (base if keys else None), keys
 
 
-def inspect_inputs(cfg: InputConfig) -> InputPlan:
+def inspect_inputs(cfg: InputConfig, storage: StorageConfig = StorageConfig()) -> InputPlan:
     """Resolve and check the inputs; raise :class:`ConfigError` naming the file or field."""
-    files, roots = resolve_files(cfg)
-    schemas, counts = zip(*(_read_schema(f) for f in files))
+    files, roots, remote = resolve_files(cfg, storage)
+    fs = remote.fs if remote else None
+    schemas, counts = zip(*(_read_schema(f, fs) for f in files))
     schema = _unify(list(schemas), files)
     base, partitions = _partitions(files, roots, schema)
     schema = pa.schema([f.with_type(plain_type(f.type)) for f in schema]
@@ -249,10 +295,11 @@ def inspect_inputs(cfg: InputConfig) -> InputPlan:
         raise ConfigError(f"input column {clash[0]!r} clashes with a column the job writes or uses; "
                           f"rename it (or set input.id_column if it is the id)")
     _check_types(list(schemas), id_col, prompt, messages, overrides, files)
-    ids = [_scan(f, id_col, [schema.field(n) for n in passthrough]) for f in files]
+    ids = [_scan(f, id_col, [schema.field(n) for n in passthrough], fs) for f in files]
     if id_col is not None:
         _check_ids(files, ids, id_col)
     return InputPlan(files=tuple(files), file_rows=tuple(counts), roots=tuple(roots), schema=schema, num_rows=sum(counts),
                      id_column=id_col, prompt_column=prompt, messages_column=messages,
                      override_columns=overrides, passthrough=passthrough, partition_base=base,
-                     partition_columns=tuple(partitions))
+                     partition_columns=tuple(partitions), filesystem=fs,
+                     scheme=remote.scheme if remote else "file")

@@ -14,12 +14,17 @@ from pipeline.dataset import build_dataset
 from pipeline.fingerprint import check_unchanged, fingerprint
 from pipeline.inputs import InputPlan, inspect_inputs
 from pipeline.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
+from pipeline.lease import Lease
+from pipeline.model_cache import check_remote_weight_headers
+from pipeline.object_lease import ObjectLease
+from pipeline.object_output import ObjectOutputDir
 from pipeline.output import OutputDir, OutputWriteError
 from pipeline.progress import Progress
 from pipeline.prompts import uses_chat_template
 from pipeline.repair import RETRIED_DIR, dedupe, retry_errors
 from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.schema import output_schema, to_output_table
+from pipeline.storage import is_remote, locate
 from pipeline.stage import GenerationStage
 from pipeline.summary import render_table, summarize
 from pipeline.throughput import ThroughputTracker
@@ -31,14 +36,28 @@ class Prepared:
 
     config: JobConfig
     inputs: InputPlan
-    out: OutputDir
+    out: OutputDir | ObjectOutputDir
+
+
+def open_output(config: JobConfig) -> OutputDir | ObjectOutputDir:
+    """The output directory: local (rename commits) or on an object store (one PUT per part)."""
+    if is_remote(config.output.path):
+        return ObjectOutputDir(locate(config.output.path, config.storage, "output.path"))
+    return OutputDir(config.output.path)
+
+
+def take_lease(out: OutputDir | ObjectOutputDir) -> Lease:
+    """The exclusive writer's lease on ``out`` (``lease.py`` locally, ``object_lease.py`` on a store)."""
+    return ObjectLease(out.loc, out.run_id) if isinstance(out, ObjectOutputDir) else Lease(out.root, out.run_id)
 
 
 def _check_model(config: JobConfig, inputs: InputPlan) -> None:
-    model_dir = resolve_model_dir(config.model, weights=False)
+    model_dir = resolve_model_dir(config.model, config.storage, weights=False)
     if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} has no config.json (not an HF-layout checkpoint)")
-    if os.path.isdir(config.model.path):      # a hub checkpoint's weights are fetched by the actors
+    if is_remote(config.model.path):          # weights are downloaded by the actors: check them where they are
+        check_remote_weight_headers(locate(config.model.path, config.storage, "model.path"))
+    elif os.path.isdir(config.model.path):    # a hub checkpoint's weights are fetched by the actors
         check_weight_headers(model_dir)
     tokenizer = load_tokenizer(model_dir)
     if config.prompt.chat_template == "on" and not getattr(tokenizer, "chat_template", None):
@@ -53,11 +72,11 @@ def preflight(config: JobConfig) -> Prepared:
 
     Reads Parquet footers, the id column and the tokenizer only: no Ray, no model weights.
     """
-    inputs = inspect_inputs(config.input)
+    out = open_output(config)                 # a bad output URI fails first, before inputs are read
+    inputs = inspect_inputs(config.input, config.storage)
     _check_model(config, inputs)
-    out = OutputDir(config.output.path)
-    out.check(config.behaviour, inputs.roots, inputs.files, config.model.path)
-    if config.behaviour.resume and out.marker.exists():
+    out.check(config.behaviour, inputs.roots, inputs.files, config.model.path, inputs.scheme)
+    if config.behaviour.resume and out.marker_exists:
         recorded = out.recorded()
         check_unchanged(recorded.get("fingerprint"), recorded.get("model"), fingerprint(config),
                         config.behaviour.allow_config_change, out.root)
@@ -175,7 +194,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     if config.behaviour.dedupe:
         echo(f"[orthrus] --dedupe: removed {dedupe(out)} duplicate row(s), keeping the first committed copy of each")
     if config.behaviour.retry_errors:
-        echo(f"[orthrus] --retry-errors: {retry_errors(out)} error row(s) moved to {out.root / RETRIED_DIR}; "
+        echo(f"[orthrus] --retry-errors: {retry_errors(out)} error row(s) moved to {out.root}/{RETRIED_DIR}; "
              "generating them again")
     finished = out.finished_keys()
     echo(f"[orthrus] {inputs.num_rows} input rows x {config.sampling.n} samples in {len(inputs.files)} file(s); "

@@ -17,7 +17,8 @@ the holder gives up the lease too (another host may judge it stale by then). Acr
 staleness compares the heartbeat with the taker's clock: hosts are assumed to keep time (NTP)
 within a fraction of ``STALE_AFTER_S``.
 
-Local and shared filesystems; an object store needs a conditional create instead (not yet).
+Local and shared filesystems; object stores have no exclusive create and use the listing protocol
+of ``object_lease.py`` (same interface).
 """
 from __future__ import annotations
 
@@ -97,12 +98,7 @@ class Lease:
 
     def __init__(self, root: Path, run_id: str) -> None:
         self.path = root / LEASE
-        self.token = uuid.uuid4().hex
-        self.info = {"token": self.token, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
-                     "pid_start": _pid_start(os.getpid()), "command": " ".join(sys.argv)[:300],
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
-        self.lost = False
-        self._stop = threading.Event()
+        self._init_info(run_id)
         root.mkdir(parents=True, exist_ok=True)
         for _ in range(50):
             if self._create() or self._take_over():
@@ -111,6 +107,14 @@ class Lease:
             raise LeaseHeld(f"output.path {root}: could not take the lease ({self.path}); another job keeps taking it")
         self._thread = threading.Thread(target=self._beat, name="orthrus-lease", daemon=True)
         self._thread.start()
+
+    def _init_info(self, run_id: str) -> None:
+        self.token = uuid.uuid4().hex
+        self.info = {"token": self.token, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
+                     "pid_start": _pid_start(os.getpid()), "command": " ".join(sys.argv)[:300],
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+        self.lost = False
+        self._stop = threading.Event()
 
     def _create(self) -> bool:
         try:
@@ -160,8 +164,7 @@ class Lease:
     def verify(self) -> bool:
         """Whether the lease still names this job (False also sets ``lost``); an unreadable lease
         file counts as ours until a heartbeat rewrites it."""
-        info = _read(self.path)
-        if self.lost or info is None or (info and info.get("token") != self.token):
+        if self.lost or not self._ours():
             if not self.lost:
                 self.lost = True
                 print(f"[orthrus] ERROR: lost the output lease {self.path}; committing stops", flush=True)
@@ -174,9 +177,7 @@ class Lease:
                 return
             try:
                 self.info["heartbeat"] = time.time()
-                tmp = self.path.with_name(f"{LEASE}.{self.token}.tmp")
-                tmp.write_text(json.dumps(self.info))
-                os.replace(tmp, self.path)
+                self._write()
                 last_ok = time.time()
             except OSError as e:   # a full disk or a network filesystem hiccup: try again next beat
                 if time.time() - last_ok > STALE_AFTER_S / 2:
@@ -189,6 +190,18 @@ class Lease:
         """Stop the heartbeat and remove the lease if it is still ours."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._remove_if_ours()
+
+    def _ours(self) -> bool:
+        info = _read(self.path)
+        return not (info is None or (info and info.get("token") != self.token))
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(f"{LEASE}.{self.token}.tmp")
+        tmp.write_text(json.dumps(self.info))
+        os.replace(tmp, self.path)
+
+    def _remove_if_ours(self) -> None:
         if (_read(self.path) or {}).get("token") == self.token:
             self.path.unlink(missing_ok=True)
 

@@ -1,11 +1,14 @@
-"""Locate a checkpoint (local directory or Hugging Face hub id) and load its tokenizer once per process."""
+"""Locate a checkpoint (local directory, object-store prefix or Hugging Face hub id) and load its
+tokenizer once per process."""
 from __future__ import annotations
 
 import functools
 import os
 import re
 
-from pipeline.config import ConfigError, ModelConfig
+from pipeline.config import ConfigError, ModelConfig, StorageConfig
+from pipeline.model_cache import download
+from pipeline.storage import info, is_remote, locate
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -14,12 +17,17 @@ _METADATA = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]  # config + 
 
 
 @functools.lru_cache(maxsize=8)  # per process: hub lookups are network calls
-def resolve_model_dir(cfg: ModelConfig, weights: bool = True) -> str:
-    """A local directory holding the checkpoint; hub ids are fetched into the local HF cache.
+def resolve_model_dir(cfg: ModelConfig, storage: StorageConfig = StorageConfig(), weights: bool = True) -> str:
+    """A local directory holding the checkpoint; object-store prefixes are downloaded into the node's
+    model cache (``model_cache.py``), hub ids into the local HF cache.
 
     Runs on the driver (preflight: ``weights=False``, config and tokenizer only) and again on every
     actor, because actors may sit on nodes whose cache the driver never filled.
     """
+    if is_remote(cfg.path):
+        loc = locate(cfg.path, storage, "model.path")
+        info(loc, "model.path")   # a missing bucket or refused credentials: say so before listing
+        return download(loc, storage, None if weights else _METADATA)
     if os.path.isdir(cfg.path):
         return os.path.abspath(cfg.path)
     if not _HUB_ID.match(cfg.path):

@@ -16,6 +16,9 @@ or absent. On resume the (id, sample_index) keys of every committed part are the
 the preprocessing drops them before tokenization. A run killed at any point leaves only complete
 parts; the rows it had in flight are simply not in the finished set and are generated again.
 
+Object stores (``s3://``...) have no rename: ``object_output.py`` commits a part as one complete
+object PUT at its final key instead; both classes share the reading side (:class:`CommittedParts`).
+
 Write failures (disk full, permissions, a read-only mount): preflight proves the directory is
 writable before any model loads; a write that fails later removes its temp file and raises
 :class:`OutputWriteError`, so the directory still holds only complete parts and ``--resume``
@@ -62,7 +65,74 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class OutputDir:
+class CommittedParts:
+    """Reading the committed rows back (resume, repairs, summary): the part listing is the subclass's."""
+
+    fs = None   # pyarrow filesystem of the part paths; None: local
+
+    def part_files(self) -> list:
+        raise NotImplementedError
+
+    def read_part(self, part) -> pa.Table:
+        """One committed part."""
+        return pq.read_table(str(part), filesystem=self.fs)
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """All committed rows (optionally some columns only)."""
+        files = [str(p) for p in self.part_files()]
+        if not files:
+            empty = pa.schema(OUTPUT_FIELDS).empty_table()
+            return empty.select(columns) if columns else empty
+        # Unified over every part: parts written before a column was added read it as null.
+        schema = pa.unify_schemas([pq.read_schema(f, filesystem=self.fs) for f in files],
+                                  promote_options="permissive")
+        present = [c for c in columns if c in schema.names] if columns else None
+        table = pds.dataset(files, format="parquet", schema=schema, filesystem=self.fs).to_table(columns=present)
+        for name in columns or []:
+            if name not in table.column_names:
+                typ = next((f.type for f in OUTPUT_FIELDS if f.name == name), pa.null())
+                table = table.append_column(pa.field(name, typ), pa.nulls(table.num_rows, typ))
+        return table.select(columns) if columns else table
+
+    def finished_keys(self) -> pa.Array:
+        """Keys (id, sample_index) of every committed row: the resume skip set."""
+        t = self.read(list(KEY_COLUMNS))
+        return key_strings(t["id"], t["sample_index"]).combine_chunks() if t.num_rows else pa.array([], pa.string())
+
+    def duplicates(self) -> tuple[int, str | None]:
+        """Rows whose key appears earlier too, and one such id (0, None for an exactly-once output)."""
+        keys = self.finished_keys()
+        counts = pc.value_counts(keys) if len(keys) else None
+        if counts is None or len(counts) == len(keys):
+            return 0, None
+        dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")[0].as_py()
+        return len(keys) - len(counts), dup.split("\x1f")[0]
+
+    def _check_existing(self, behaviour: BehaviourConfig, foreign: list[str], has_marker: bool) -> None:
+        """A non-empty directory: allowed only as our own output, with resume or overwrite."""
+        if not (behaviour.resume or behaviour.overwrite):
+            raise ConfigError(f"output.path {self.root} already holds output; pass --resume to continue it "
+                              "(behaviour.resume) or --overwrite to replace it (behaviour.overwrite)")
+        if not has_marker or foreign:
+            raise ConfigError(f"output.path {self.root} is not an Orthrus output directory (no {MARKER}"
+                              f"{', has ' + foreign[0] if foreign else ''}); refusing to "
+                              f"{'overwrite' if behaviour.overwrite else 'resume into'} it")
+        if behaviour.resume and not behaviour.dedupe:
+            count, example = self.duplicates()
+            if count:
+                raise ConfigError(f"output.path {self.root} holds {count} duplicate (id, sample_index) row(s), e.g. "
+                                  f"{example!r} (two jobs once wrote to it at the same time); rerun with --dedupe to "
+                                  "keep the first committed copy of each, then go on")
+
+    def _lost_lease(self) -> OutputWriteError | None:
+        if self.lease is not None and not self.lease.verify():
+            return OutputWriteError(f"lost the lease on output.path {self.root} (another job holds it now); "
+                                    f"stopped committing. The {self.committed} part file(s) this run committed are "
+                                    "complete")
+        return None
+
+
+class OutputDir(CommittedParts):
     """One job's output directory (local or shared filesystem path)."""
 
     def __init__(self, path: str) -> None:
@@ -86,7 +156,7 @@ class OutputDir:
                                 "partial was left; fix the cause (space, permissions) and rerun with --resume")
 
     def check(self, behaviour: BehaviourConfig, input_roots: tuple[str, ...], input_files: tuple[str, ...],
-              model: str) -> None:
+              model: str, input_scheme: str = "file") -> None:
         """Refuse unsafe or unwritable layouts before anything is written (leaves no trace)."""
         for root in map(Path, input_roots):
             if _inside(self.root, root):
@@ -103,25 +173,10 @@ class OutputDir:
         if self.root.is_dir():
             check_free(self.root)
         if self.has_content():
-            self._check_existing(behaviour, model)
+            foreign = sorted(p.name for p in self.root.iterdir()
+                             if p.name not in _OURS and not p.name.startswith(LEASE))
+            self._check_existing(behaviour, foreign, self.marker.exists())
         self._probe()
-
-    def _check_existing(self, behaviour: BehaviourConfig, model: str) -> None:
-        """A non-empty directory: allowed only as our own output, with resume or overwrite."""
-        if not (behaviour.resume or behaviour.overwrite):
-            raise ConfigError(f"output.path {self.root} already holds output; pass --resume to continue it "
-                              "(behaviour.resume) or --overwrite to replace it (behaviour.overwrite)")
-        foreign = sorted(p.name for p in self.root.iterdir() if p.name not in _OURS and not p.name.startswith(LEASE))
-        if not self.marker.exists() or foreign:
-            raise ConfigError(f"output.path {self.root} is not an Orthrus output directory (no {MARKER}"
-                              f"{', has ' + foreign[0] if foreign else ''}); refusing to "
-                              f"{'overwrite' if behaviour.overwrite else 'resume into'} it")
-        if behaviour.resume and not behaviour.dedupe:
-            count, example = self.duplicates()
-            if count:
-                raise ConfigError(f"output.path {self.root} holds {count} duplicate (id, sample_index) row(s), e.g. "
-                                  f"{example!r} (two jobs once wrote to it at the same time); rerun with --dedupe to "
-                                  "keep the first committed copy of each, then go on")
 
     def _probe(self) -> None:
         """Create the directory and write, fsync and delete a file in it; undo what it created.
@@ -173,6 +228,10 @@ class OutputDir:
             raise self._failed("its directories", e, None) from e
         self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
 
+    @property
+    def marker_exists(self) -> bool:
+        return self.marker.exists()
+
     def recorded(self) -> dict:
         """The marker of the run that last wrote here ({} if none or unreadable)."""
         try:
@@ -195,56 +254,59 @@ class OutputDir:
         """Committed part files, sorted."""
         return sorted(self.data.glob("part-*.parquet")) if self.data.is_dir() else []
 
-    def read(self, columns: list[str] | None = None) -> pa.Table:
-        """All committed rows (optionally some columns only)."""
-        files = [str(p) for p in self.part_files()]
-        if not files:
-            empty = pa.schema(OUTPUT_FIELDS).empty_table()
-            return empty.select(columns) if columns else empty
-        # Unified over every part: parts written before a column was added read it as null.
-        schema = pa.unify_schemas([pq.read_schema(f) for f in files], promote_options="permissive")
-        present = [c for c in columns if c in schema.names] if columns else None
-        table = pds.dataset(files, format="parquet", schema=schema).to_table(columns=present)
-        for name in columns or []:
-            if name not in table.column_names:
-                typ = next((f.type for f in OUTPUT_FIELDS if f.name == name), pa.null())
-                table = table.append_column(pa.field(name, typ), pa.nulls(table.num_rows, typ))
-        return table.select(columns) if columns else table
-
-    def finished_keys(self) -> pa.Array:
-        """Keys (id, sample_index) of every committed row: the resume skip set."""
-        t = self.read(list(KEY_COLUMNS))
-        return key_strings(t["id"], t["sample_index"]).combine_chunks() if t.num_rows else pa.array([], pa.string())
-
-    def duplicates(self) -> tuple[int, str | None]:
-        """Rows whose key appears earlier too, and one such id (0, None for an exactly-once output)."""
-        keys = self.finished_keys()
-        counts = pc.value_counts(keys) if len(keys) else None
-        if counts is None or len(counts) == len(keys):
-            return 0, None
-        dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")[0].as_py()
-        return len(keys) - len(counts), dup.split("\x1f")[0]
-
     def commit(self, table: pa.Table) -> Path:
         """Atomically add one part file (temp file, fsync, rename)."""
-        if self.lease is not None and not self.lease.verify():
-            raise OutputWriteError(f"lost the lease on output.path {self.root} ({LEASE} now names another job); "
-                                   f"stopped committing. The {self.committed} part file(s) this run committed are "
-                                   "complete")
+        if (lost := self._lost_lease()) is not None:
+            raise lost
         name = f"part-{self.run_id}-{self._seq:06d}.parquet"
         self._seq += 1
-        tmp = self.tmp / (name + ".inprogress")
+        self._write_part(self.data / name, table)
+        self.committed += 1
+        return self.data / name
+
+    def _write_part(self, dest: Path, table: pa.Table) -> None:
+        """Write ``table`` to ``dest`` whole or not at all (temp file, fsync, rename, fsync of the dir)."""
+        tmp = self.tmp / (dest.name + f".{uuid.uuid4().hex[:8]}.inprogress")
         try:
             with open(tmp, "wb") as f:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.data / name)
+            os.replace(tmp, dest)
         except (OSError, pa.ArrowException) as e:
-            raise self._failed(f"part file {name}", e, tmp) from e
-        self.committed += 1
+            raise self._failed(f"part file {dest.name}", e, tmp) from e
         try:
-            fsync_dir(self.data)  # the rename itself survives a machine crash
+            fsync_dir(dest.parent)  # the rename itself survives a machine crash
         except OSError as e:  # the part is complete and in place; only its durability is in doubt
-            raise self._failed(f"(fsync) part file {name}", e, None) from e
-        return self.data / name
+            raise self._failed(f"(fsync) part file {dest.name}", e, None) from e
+
+    def replace_part(self, part: Path, keep: pa.Table) -> None:
+        """Rewrite a committed part with only ``keep``'s rows, in one atomic step (a rename over it;
+        deleted if ``keep`` is empty). It keeps its name and commit time, so commit order stays."""
+        if (lost := self._lost_lease()) is not None:
+            raise lost
+        if not keep.num_rows:
+            part.unlink()
+            fsync_dir(part.parent)
+            return
+        committed = part.stat()
+        self._write_part(part, keep)
+        os.utime(part, ns=(committed.st_atime_ns, committed.st_mtime_ns))
+
+    def commit_order(self) -> list[Path]:
+        """Committed parts, oldest commit first."""
+        return sorted(self.part_files(), key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+    def archive(self, name: str, table: pa.Table) -> str:
+        """Write ``table`` as ``retried/<name>`` (whole, then renamed) → where it went."""
+        (self.root / RETRIED_DIR).mkdir(exist_ok=True)
+        dest = self.root / RETRIED_DIR / name
+        self._write_part(dest, table)
+        return str(dest)
+
+    def write_log(self, name: str, text: str) -> str:
+        """Write ``_logs/<name>`` → where it went (raises OSError if it cannot)."""
+        folder = self.root / LOGS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+        return str(folder / name)

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from orthrus import SamplingParams
 from pipeline import schema as S
 from pipeline.column_types import convert
-from pipeline.config import ModelConfig, PromptConfig, SamplingConfig
+from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
 from pipeline.inputs import InputPlan
 from pipeline.model_files import load_tokenizer, resolve_model_dir
 from pipeline.prompts import InvalidText, RowError, format_prompt
@@ -35,6 +35,7 @@ class PreprocessPlan:
     model: ModelConfig
     prompt: PromptConfig
     sampling: SamplingConfig
+    storage: StorageConfig = StorageConfig()
     finished: pa.Array | None = None   # keys (see schema.key_strings) already in the output
 
 
@@ -135,7 +136,7 @@ def _encode(tokenizer, texts: list[str], add_special: bool) -> list[list[int] | 
 
 def _tokenize(batch: pa.Table, needed: np.ndarray, plan: PreprocessPlan) -> dict[int, list[int] | str]:
     """Prompt token ids per needed input row, or the row's error message."""
-    tokenizer = load_tokenizer(resolve_model_dir(plan.model, weights=False))
+    tokenizer = load_tokenizer(resolve_model_dir(plan.model, plan.storage, weights=False))
     prompts = _values(batch, plan.inputs.prompt_column)
     messages = _values(batch, plan.inputs.messages_column)
     out: dict[int, list[int] | str] = {}

@@ -32,7 +32,7 @@ import torch
 from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline import schema as S
 from pipeline.audit import first_divergence, is_audited
-from pipeline.config import AuditConfig, EngineConfig, ModelConfig, SamplingConfig
+from pipeline.config import AuditConfig, EngineConfig, ModelConfig, SamplingConfig, StorageConfig
 from pipeline.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy
 from pipeline.faults import FAULT_ENV, FaultInjector
 from pipeline.metrics import ActorMetrics
@@ -53,6 +53,7 @@ class StagePlan:
     audit: AuditConfig = AuditConfig()
     row_timeout_s: float | None = None
     fault_inject: str | None = None   # test-only, see faults.py; None in production
+    storage: StorageConfig = StorageConfig()
 
 
 def _torch_dtype(name: str, device: str) -> torch.dtype:
@@ -77,7 +78,7 @@ class GenerationStage:
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
         self.device = "cuda" if plan.use_gpu and torch.cuda.is_available() else "cpu"
-        model_dir = resolve_model_dir(plan.model)
+        model_dir = resolve_model_dir(plan.model, plan.storage)
         model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device),
                                                    device=self.device)
         self.tokenizer = load_tokenizer(model_dir)   # before the engines: they detect stop strings

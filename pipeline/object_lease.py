@@ -1,0 +1,130 @@
+"""One writer per output prefix on an object store, where there is no exclusive create.
+
+Each job that wants ``<output>/`` writes its own lease object ``<output>/_leases/<token>.json``
+(the holder's run id, host, pid and its start time, command and heartbeat, as in ``lease.py``), then
+lists ``_leases/``:
+
+- it holds the lease if no other *live* lease object is listed;
+- otherwise it deletes its own object and either gives up (another job holds the prefix) or,
+  when the other one is only contending too, retries after a random pause.
+
+Two jobs cannot both hold: S3 and GCS give read-after-write and list-after-write consistency, so
+of two jobs whose writes both precede both listings, each sees the other and neither holds; if one
+job's listing came before the other's write, the later one sees the earlier one. A job that saw
+only its own object holds the lease until it finds another live one next to its own, or its own
+gone (``verify``, at every heartbeat and before every commit): then it stops committing (``lost``),
+so at most one job ever commits, and at worst none until the other gives up.
+
+Liveness is judged as for the local lease: on the same host by pid (and its start time), across
+hosts by a heartbeat younger than ``STALE_AFTER_S``. A stale lease object is deleted by the next
+job, which says so.
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pyarrow.fs as pafs
+
+from pipeline.lease import HEARTBEAT_S, STALE_AFTER_S, LeaseHeld, _alive, describe
+from pipeline.lease import Lease as _LocalLease
+from pipeline.storage import Location
+
+LEASES = "_leases"
+_ATTEMPTS = 20
+
+
+def _put(fs: pafs.FileSystem, path: str, info: dict) -> None:
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps(info).encode())
+
+
+def _listed(loc: Location) -> dict[str, dict]:
+    """Every lease object under ``loc/_leases``: {path: content} ({} content if unreadable)."""
+    found = loc.fs.get_file_info(pafs.FileSelector(f"{loc.path}/{LEASES}", allow_not_found=True))
+    leases = {}
+    for f in found:
+        if f.type != pafs.FileType.File or not f.path.endswith(".json"):
+            continue
+        try:
+            with loc.fs.open_input_stream(f.path) as src:
+                leases[f.path] = json.loads(src.read())
+        except FileNotFoundError:
+            continue                    # released meanwhile
+        except (OSError, ValueError):
+            leases[f.path] = {}         # being written: counts as live until it ages (mtime) out
+            leases[f.path]["heartbeat"] = f.mtime.timestamp() if f.mtime else time.time()
+    return leases
+
+
+def _live_others(loc: Location, own: str | None, announce: bool) -> dict[str, dict]:
+    """Live lease objects other than ``own``; stale ones are deleted on the way."""
+    now, live = time.time(), {}
+    for path, info in _listed(loc).items():
+        if path == own:
+            continue
+        if _alive(info, now):
+            live[path] = info
+            continue
+        try:
+            loc.fs.delete_file(path)
+            if announce:
+                print(f"[orthrus] took over the stale lease of {describe(info, now)}", flush=True)
+        except FileNotFoundError:
+            pass
+    return live
+
+
+def check_free(loc: Location) -> None:
+    """Raise :class:`LeaseHeld` naming the holder if a live job holds ``loc`` (no side effects)."""
+    now = time.time()
+    for info in _listed(loc).values():
+        if _alive(info, now):
+            raise LeaseHeld(f"output.path {loc.uri} is in use by another job: {describe(info, now)}. Wait for it "
+                            "to end or stop it; a lease whose job is dead is taken over automatically")
+
+
+class ObjectLease(_LocalLease):
+    """The held lease on an object-store prefix (same interface as :class:`pipeline.lease.Lease`)."""
+
+    def __init__(self, loc: Location, run_id: str) -> None:  # noqa: D107 - see the module docstring
+        self.loc, self.fs = loc, loc.fs
+        _LocalLease._init_info(self, run_id)
+        self.path = f"{loc.path}/{LEASES}/{self.token}.json"
+        for _ in range(_ATTEMPTS):
+            others = _live_others(loc, None, announce=True)
+            if others:
+                info = next(iter(others.values()))
+                raise LeaseHeld(f"output.path {loc.uri} is in use by another job: {describe(info, time.time())}. "
+                                "Wait for it to end or stop it; a lease whose job is dead is taken over "
+                                "automatically")
+            _put(self.fs, self.path, self.info)
+            if not _live_others(loc, self.path, announce=False):
+                break
+            self.fs.delete_file(self.path)          # contended: both back off, one comes back first
+            time.sleep(random.uniform(0.2, 2.0))
+        else:
+            raise LeaseHeld(f"output.path {loc.uri}: could not take the lease; other jobs keep contending for it")
+        self._thread = threading.Thread(target=self._beat, name="orthrus-lease", daemon=True)
+        self._thread.start()
+
+    def _ours(self) -> bool:
+        try:
+            return self.fs.get_file_info(self.path).type == pafs.FileType.File and \
+                not _live_others(self.loc, self.path, announce=False)
+        except OSError:
+            return True    # the store did not answer: the next heartbeat asks again
+
+    def _write(self) -> None:
+        _put(self.fs, self.path, self.info)
+
+    def _remove_if_ours(self) -> None:
+        try:
+            self.fs.delete_file(self.path)
+        except (FileNotFoundError, OSError):
+            pass
+
+
+__all__ = ["ObjectLease", "check_free", "HEARTBEAT_S", "STALE_AFTER_S", "LEASES"]
