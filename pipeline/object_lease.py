@@ -1,19 +1,19 @@
 """One writer per output prefix on an object store, where there is no exclusive create.
 
-Each job that wants ``<output>/`` writes its own lease object ``<output>/_leases/<token>.json``
-(the holder's run id, host, pid and its start time, command and heartbeat, as in ``lease.py``), then
-lists ``_leases/``:
+A job that wants ``<output>/`` first lists ``<output>/_leases/``: a live lease object in state
+``held`` means another job holds the prefix (refused, exit status 2). Otherwise it writes its own
+object ``_leases/<token>.json`` in state ``claim`` (run id, host, pid and its start time, command,
+heartbeat, as in ``lease.py``) and lists again:
 
-- it holds the lease if no other *live* lease object is listed;
-- otherwise it deletes its own object and either gives up (another job holds the prefix) or,
-  when the other one is only contending too, retries after a random pause.
+- no other live object (claim or held): it holds the lease, and rewrites its object as ``held``;
+- another one: it deletes its own claim and tries again after a random pause (contention).
 
 Two jobs cannot both hold: S3 and GCS give read-after-write and list-after-write consistency, so
-of two jobs whose writes both precede both listings, each sees the other and neither holds; if one
-job's listing came before the other's write, the later one sees the earlier one. A job that saw
-only its own object holds the lease until it finds another live one next to its own, or its own
-gone (``verify``, at every heartbeat and before every commit): then it stops committing (``lost``),
-so at most one job ever commits, and at worst none until the other gives up.
+of two claims whose writes both precede both listings, each job sees the other and neither holds;
+if one job's listing came before the other's write, the later one sees the earlier one's object.
+The holder keeps the lease while its own object is there and no other live ``held`` object is
+(``verify``, at every heartbeat and before every commit); otherwise it stops committing
+(``lost``), so at most one job ever commits.
 
 Liveness is judged as for the local lease: on the same host by pid (and its start time), across
 hosts by a heartbeat younger than ``STALE_AFTER_S``. A stale lease object is deleted by the next
@@ -59,11 +59,12 @@ def _listed(loc: Location) -> dict[str, dict]:
     return leases
 
 
-def _live_others(loc: Location, own: str | None, announce: bool) -> dict[str, dict]:
-    """Live lease objects other than ``own``; stale ones are deleted on the way."""
+def _live_others(loc: Location, own: str | None, announce: bool, held_only: bool = False) -> dict[str, dict]:
+    """Live lease objects other than ``own`` (only those held, with ``held_only``); stale ones are
+    deleted on the way."""
     now, live = time.time(), {}
     for path, info in _listed(loc).items():
-        if path == own:
+        if path == own or (held_only and _alive(info, now) and info.get("state") != "held"):
             continue
         if _alive(info, now):
             live[path] = info
@@ -81,7 +82,7 @@ def check_free(loc: Location) -> None:
     """Raise :class:`LeaseHeld` naming the holder if a live job holds ``loc`` (no side effects)."""
     now = time.time()
     for info in _listed(loc).values():
-        if _alive(info, now):
+        if _alive(info, now) and info.get("state") == "held":
             raise LeaseHeld(f"output.path {loc.uri} is in use by another job: {describe(info, now)}. Wait for it "
                             "to end or stop it; a lease whose job is dead is taken over automatically")
 
@@ -92,16 +93,18 @@ class ObjectLease(_LocalLease):
     def __init__(self, loc: Location, run_id: str) -> None:  # noqa: D107 - see the module docstring
         self.loc, self.fs = loc, loc.fs
         _LocalLease._init_info(self, run_id)
+        self.info["state"] = "held"
         self.path = f"{loc.path}/{LEASES}/{self.token}.json"
         for _ in range(_ATTEMPTS):
-            others = _live_others(loc, None, announce=True)
+            others = _live_others(loc, None, announce=True, held_only=True)
             if others:
                 info = next(iter(others.values()))
                 raise LeaseHeld(f"output.path {loc.uri} is in use by another job: {describe(info, time.time())}. "
                                 "Wait for it to end or stop it; a lease whose job is dead is taken over "
                                 "automatically")
-            _put(self.fs, self.path, self.info)
+            _put(self.fs, self.path, {**self.info, "state": "claim"})
             if not _live_others(loc, self.path, announce=False):
+                _put(self.fs, self.path, self.info)
                 break
             self.fs.delete_file(self.path)          # contended: both back off, one comes back first
             time.sleep(random.uniform(0.2, 2.0))
@@ -113,7 +116,7 @@ class ObjectLease(_LocalLease):
     def _ours(self) -> bool:
         try:
             return self.fs.get_file_info(self.path).type == pafs.FileType.File and \
-                not _live_others(self.loc, self.path, announce=False)
+                not _live_others(self.loc, self.path, announce=False, held_only=True)
         except OSError:
             return True    # the store did not answer: the next heartbeat asks again
 

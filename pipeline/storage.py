@@ -118,8 +118,14 @@ def access_error(field: str, where: Location, what: str, error: Exception) -> Co
 def info(loc: Location, field: str) -> pafs.FileInfo:
     """``get_file_info`` of ``loc``, turning a storage error into a :class:`ConfigError` naming ``field``."""
     try:
-        return loc.fs.get_file_info(loc.path)
-    except Exception as e:  # noqa: BLE001 - OSError from the store: no bucket, denied, unreachable
+        found = loc.fs.get_file_info(loc.path)
+        bucket = loc.path.split("/", 1)[0]
+        if found.type == pafs.FileType.NotFound and loc.scheme in ("s3", "gs") and \
+                loc.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            raise ConfigError(f"{field}: cannot read {loc.uri}: the bucket {bucket!r} does not exist (or these "
+                              f"credentials cannot see it); {CREDENTIALS_HINT}")
+        return found
+    except OSError as e:  # from the store: denied, unreachable, bad signature
         raise access_error(field, loc, "read", e) from None
 
 
@@ -133,26 +139,25 @@ def list_files(loc: Location, field: str) -> list[pafs.FileInfo]:
 
 
 def glob_regex(pattern: str) -> re.Pattern:
-    """A glob as a regex over whole paths: ``*`` and ``?`` stay inside one path segment, ``**`` spans
-    any number of them, ``[...]`` is a character class (the semantics of ``glob.glob(recursive=True)``)."""
+    """A glob as a regex over whole paths, with ``glob.glob(recursive=True)``'s semantics: ``*`` and
+    ``?`` stay inside one path segment, ``**`` spans any number of them, ``[...]`` is a character
+    class, and a wildcard never matches a name's leading dot."""
     out, i = [], 0
     while i < len(pattern):
+        start = "(?!\\.)" if i == 0 or pattern[i - 1] == "/" else ""   # hidden names need an explicit dot
         if pattern.startswith("**/", i):
-            out.append("(?:[^/]+/)*")
+            out.append("(?:(?!\\.)[^/]+/)*")
             i += 3
         elif pattern.startswith("**", i):
-            out.append(".*")
+            out.append(start + "(?:[^/]*(?:/(?!\\.)[^/]*)*)")
             i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
+        elif pattern[i] in "*?":
+            out.append(start + ("[^/]*" if pattern[i] == "*" else "[^/]"))
             i += 1
         elif pattern[i] == "[" and "]" in pattern[i + 2:]:
             end = pattern.index("]", i + 2)
             body = pattern[i + 1:end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            out.append(start + "[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
             i = end + 1
         else:
             out.append(re.escape(pattern[i]))
