@@ -24,7 +24,7 @@ from pipeline.column_types import check_group, plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
 from pipeline.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
                              RAY_ROW_HASH_COLUMN)
-from pipeline.storage import Location, glob_regex, info, is_remote, list_files, locate
+from pipeline.storage import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
 _GLOB_CHARS = set("*?[")
 
@@ -129,7 +129,7 @@ def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
             if not found:
                 raise ConfigError(f"{where}: matched no Parquet files")
         else:
-            found, root = _expand(pattern, i)
+            found, root = _expand(local_path(pattern), i)
         files.update(found)
         roots.append(root)
     return sorted(files), roots, remote

@@ -24,7 +24,7 @@ from pipeline.prompts import uses_chat_template
 from pipeline.repair import RETRIED_DIR, dedupe, retry_errors
 from pipeline.resources import check_engine_placement, resolve_placement
 from pipeline.schema import output_schema, to_output_table
-from pipeline.storage import is_remote, locate
+from pipeline.storage import is_remote, local_path, locate
 from pipeline.stage import GenerationStage
 from pipeline.summary import render_table, summarize
 from pipeline.throughput import ThroughputTracker
@@ -43,7 +43,7 @@ def open_output(config: JobConfig) -> OutputDir | ObjectOutputDir:
     """The output directory: local (rename commits) or on an object store (one PUT per part)."""
     if is_remote(config.output.path):
         return ObjectOutputDir(locate(config.output.path, config.storage, "output.path"))
-    return OutputDir(config.output.path)
+    return OutputDir(local_path(config.output.path))
 
 
 def take_lease(out: OutputDir | ObjectOutputDir) -> Lease:
@@ -57,7 +57,7 @@ def _check_model(config: JobConfig, inputs: InputPlan) -> None:
         raise ConfigError(f"model.path: {model_dir} has no config.json (not an HF-layout checkpoint)")
     if is_remote(config.model.path):          # weights are downloaded by the actors: check them where they are
         check_remote_weight_headers(locate(config.model.path, config.storage, "model.path"))
-    elif os.path.isdir(config.model.path):    # a hub checkpoint's weights are fetched by the actors
+    elif os.path.isdir(local_path(config.model.path)):   # a hub checkpoint's weights: fetched by the actors
         check_weight_headers(model_dir)
     tokenizer = load_tokenizer(model_dir)
     if config.prompt.chat_template == "on" and not getattr(tokenizer, "chat_template", None):

@@ -8,7 +8,7 @@ import re
 
 from pipeline.config import ConfigError, ModelConfig, StorageConfig
 from pipeline.model_cache import download
-from pipeline.storage import info, is_remote, locate
+from pipeline.storage import info, is_remote, local_path, locate
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -28,8 +28,8 @@ def resolve_model_dir(cfg: ModelConfig, storage: StorageConfig = StorageConfig()
         loc = locate(cfg.path, storage, "model.path")
         info(loc, "model.path")   # a missing bucket or refused credentials: say so before listing
         return download(loc, storage, None if weights else _METADATA)
-    if os.path.isdir(cfg.path):
-        return os.path.abspath(cfg.path)
+    if os.path.isdir(local_path(cfg.path)):
+        return os.path.abspath(local_path(cfg.path))
     if not _HUB_ID.match(cfg.path):
         raise ConfigError(f"model.path: {cfg.path!r} is neither a local directory nor a hub id (org/name)")
     from huggingface_hub import snapshot_download

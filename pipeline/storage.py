@@ -33,6 +33,11 @@ def scheme_of(path: str) -> str | None:
     return m.group(1).lower() if m else None
 
 
+def local_path(path: str) -> str:
+    """A local path with any ``file://`` scheme taken off (other paths unchanged)."""
+    return _URI.match(path).group(2) if scheme_of(path) in ("file", "local") else path
+
+
 def is_remote(path: str) -> bool:
     """Whether ``path`` names something outside the local filesystem."""
     return scheme_of(path) not in (None, "file", "local")

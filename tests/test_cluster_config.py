@@ -83,3 +83,11 @@ def test_cluster_job_example_is_valid_and_asks_for_gpus():
     # GPU workers autoscale from zero, so auto-detection would see no GPU: the example is explicit.
     assert cfg.resources.gpus_per_replica == 1 and cfg.resources.replicas
     assert Path(cfg.output.path).is_absolute()
+
+
+def test_object_storage_job_example_is_valid_and_has_every_path_on_s3():
+    from pipeline.storage import scheme_of
+
+    cfg = load_config(REPO / "examples" / "cluster-s3.yaml")
+    assert {scheme_of(p) for p in [*cfg.input.paths, cfg.output.path, cfg.model.path]} == {"s3"}
+    assert cfg.resources.gpus_per_replica == 1 and cfg.storage.endpoint is None

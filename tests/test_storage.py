@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from s3_server import CLIENT_ENV, iam_user, moto_server, s3fs, upload
+from jobs.local_s3 import CLIENT_ENV, iam_user, moto_server, s3fs, upload
 from test_pipeline_units import TOKENIZER_DIR
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, ModelConfig, StorageConfig

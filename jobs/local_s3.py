@@ -1,8 +1,9 @@
-"""A real S3-protocol endpoint on loopback for tests and the storage bench: moto's standalone server.
+"""A real S3-protocol endpoint on loopback for the tests and ``jobs/bench_storage.py``: moto's
+standalone server (``moto[server]``, a test dependency; not needed to run jobs).
 
 Started on 127.0.0.1 on a free port in its own session, stopped through its own process id. The
-code under test talks to it only through pyarrow's S3 client (``storage.endpoint``); this helper
-uses pyarrow too, to create buckets and upload fixtures.
+job talks to it only through pyarrow's S3 client (``storage.endpoint``); this helper uses pyarrow
+too, to create buckets and upload fixtures (and boto3 for moto's IAM in one test).
 """
 from __future__ import annotations
 
