@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from jobs import bench_audit, bench_job
+from jobs import bench_audit, bench_job, bench_storage
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.attention import BlockBatch
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
         report["audit_overhead"] = bench_audit.audit_overhead(args.model, args.prompts)
         print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
+        report["storage"] = bench_storage.storage_vs_local(args.model, args.prompts, args.job_config)
+        print(f"Same job, local disk vs an S3 endpoint on loopback: {report['storage']}", flush=True)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20

@@ -84,10 +84,6 @@ class ObjectOutputDir(CommittedParts):
         except OSError as e:
             raise access_error("output.path", self.loc, "write to", e) from None
 
-    def has_content(self) -> bool:
-        """Whether the prefix holds more than leases."""
-        return any(n != LEASES for n in self._top())
-
     def prepare(self, behaviour: BehaviourConfig, meta: dict) -> None:
         """Clear the prefix (with overwrite) and write the marker."""
         try:

@@ -60,9 +60,6 @@ class Location:
         """How messages name it: the user's form of the path."""
         return self.path if self.local else f"{self.scheme}://{self.path}"
 
-    def child(self, *names: str) -> "Location":
-        return Location(self.fs, "/".join([self.path.rstrip("/"), *names]), self.scheme)
-
     def __str__(self) -> str:
         return self.uri
 
