@@ -37,7 +37,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     ap.add_argument("--self-distill", type=int, default=0,
-                    help="add this many of the model's own continuations of corpus prefixes (50/50 mix)")
+                    help="add this many of the model's own continuations of corpus prefixes (half greedy)")
+    ap.add_argument("--own-fraction", type=float, default=0.5,
+                    help="with --self-distill: the share of own continuations among the training rows")
+    ap.add_argument("--own-temperature", type=float, default=0.8,
+                    help="with --self-distill: the temperature of the sampled half of the continuations")
     ap.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     for field, default in vars(TrainConfig()).items():
         ap.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
@@ -89,9 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = pack(tok, load_texts(args.data, args.text_column), args.seq_len)
     if args.self_distill:
         # generated from the frozen AR view: the same rows whether or not the run resumed
-        own = self_generated_rows(model, rows, args.self_distill, 64, 192, args.seq_len, seed=cfg.seed)
+        own = self_generated_rows(model, rows, args.self_distill, 64, 192, args.seq_len, seed=cfg.seed,
+                                  temperature=args.own_temperature)
+        corpus_rows = round(own.shape[0] * (1 - args.own_fraction) / max(args.own_fraction, 1e-9))
         rows = torch.cat([rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
-                               [: own.shape[0]]], own])
+                               [:corpus_rows]], own])
     prompts = eval_prompts(tok, args.eval_shards, args.eval_prompts)
     out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:

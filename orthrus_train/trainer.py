@@ -62,17 +62,19 @@ def acceptance(model: OrthrusForCausalLM, prompts: list[list[int]], block_size: 
 
 
 def self_generated_rows(model: OrthrusForCausalLM, rows: torch.Tensor, count: int, prompt_len: int,
-                        new_tokens: int, seq_len: int, seed: int = 0, batch: int = 64) -> torch.Tensor:
+                        new_tokens: int, seq_len: int, seed: int = 0, batch: int = 64,
+                        temperature: float = 0.8) -> torch.Tensor:
     """Packed rows ``[n, seq_len]`` of the model's own continuations of corpus prefixes.
 
     At inference the diffusion view drafts after the model's *own* output, which for a small model
     is far more repetitive than human text; distilling on those continuations (half greedy, half
-    sampled at T=0.8) trains it on the prefixes it will actually see.
+    sampled at ``temperature``) trains it on the prefixes it will actually see.
     """
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, rows.shape[0], (count,), generator=g)
     prompts = [rows[i, :prompt_len].tolist() for i in idx]
-    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, max_new_tokens=new_tokens, seed=seed + i)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else temperature, max_new_tokens=new_tokens,
+                             seed=seed + i)
               for i in range(count)]
     engine = OrthrusEngine(model, max_batch_size=batch, max_seq_len=prompt_len + new_tokens + 1)
     stream: list[int] = []

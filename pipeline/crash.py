@@ -13,8 +13,6 @@ import time
 import traceback
 from pathlib import Path
 
-
-
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.*)$", re.M)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -99,7 +99,7 @@ def _expand_remote(loc: Location, where: str) -> tuple[list[str], str]:
         fixed = next(i for i, p in enumerate(parts) if any(c in p for c in _GLOB_CHARS))
         root = "/".join(parts[:fixed])
         match = glob_regex(loc.path)
-        listed = list_files(Location(loc.fs, root, loc.scheme), where)
+        listed = list_files(loc.at(root), where)
         return [f.path for f in listed if match.match(f.path)], root
     found = info(loc, where)
     if found.type == pafs.FileType.File:
@@ -117,8 +117,9 @@ def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
     (None: local)."""
     files: set[str] = set()
     roots: list[str] = []
-    schemes = {is_remote(p) and locate(p, storage, "input.paths").scheme for p in cfg.paths}
-    if len(schemes) > 1:
+    stores = {is_remote(p) and (lambda loc: (loc.scheme, loc.authority))(locate(p, storage, "input.paths"))
+              for p in cfg.paths}
+    if len(stores) > 1:
         raise ConfigError(f"input.paths mixes filesystems ({', '.join(cfg.paths)}); put every input in one store")
     remote = None
     for i, pattern in enumerate(cfg.paths):

@@ -177,6 +177,8 @@ class Lease:
                 return
             try:
                 self.info["heartbeat"] = time.time()
+                if self._stop.is_set():      # released meanwhile: never write the lease back
+                    return
                 self._write()
                 last_ok = time.time()
             except OSError as e:   # a full disk or a network filesystem hiccup: try again next beat

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from pipeline.config import ConfigError, StorageConfig
-from pipeline.storage import Location, access_error, list_files
+from pipeline.storage import STORE_ERRORS, Location, access_error, list_files
 
 MANIFEST = ".orthrus-manifest.json"
 LOCK_TIMEOUT_S = 3600.0   # another process downloading a large checkpoint: wait, then say so
@@ -51,14 +51,26 @@ def _fetch(loc: Location, name: str, remote: pafs.FileInfo, dest: Path) -> None:
     partial = dest.with_name(dest.name + ".partial")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with loc.fs.open_input_stream(remote.path) as src, open(partial, "wb") as out:
+        out = open(partial, "wb")
+    except OSError as e:
+        raise ConfigError(f"model.path: cannot write the model cache {partial} ({e.strerror or e}); set "
+                          "storage.model_cache_dir to a writable local directory with room for the model") from None
+    try:
+        with loc.fs.open_input_stream(remote.path) as src, out:
             while chunk := src.read(_CHUNK):
-                out.write(chunk)
+                try:
+                    out.write(chunk)
+                except OSError as e:   # the local disk (space, quota), not the store
+                    raise ConfigError(f"model.path: cannot write the model cache {partial} ({e.strerror or e}); "
+                                      "free space there or set storage.model_cache_dir") from None
             out.flush()
             os.fsync(out.fileno())
-    except OSError as e:
+    except STORE_ERRORS as e:
         partial.unlink(missing_ok=True)
         raise access_error("model.path", loc, f"download {name} from", e) from None
+    except ConfigError:
+        partial.unlink(missing_ok=True)
+        raise
     if partial.stat().st_size != remote.size:
         got = partial.stat().st_size
         partial.unlink()
@@ -89,6 +101,10 @@ def download(loc: Location, storage: StorageConfig, patterns: list[str] | None =
         except (OSError, ValueError):
             manifest = {}
         fetched, start = 0, time.time()
+        if patterns is None:      # the whole checkpoint: files no longer in the store leave the cache too
+            for name in [n for n in manifest if n not in files]:
+                (target / name).unlink(missing_ok=True)
+                del manifest[name]
         for name, remote in sorted(wanted.items()):
             dest = target / name
             if manifest.get(name) == _stamp(remote) and dest.is_file() and dest.stat().st_size == remote.size:
@@ -121,11 +137,12 @@ def check_remote_weight_headers(loc: Location) -> None:
                 if not 0 < size <= min(remote.size - 8, 100 << 20):
                     raise ValueError(f"header length {size} does not fit in {remote.size} bytes")
                 header = json.loads(f.read(size))
-        except OSError as e:
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except STORE_ERRORS as e:
             raise access_error("model.path", loc, f"read {name} in", e) from None
-        except ValueError as e:
-            raise ConfigError(f"model.path: weights file {name} in {loc.uri} is not readable ({e})") from None
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise ConfigError(f"model.path: weights file {name} in {loc.uri} is not readable (header: "
+                              f"{type(e).__name__}: {e})") from None
         if 8 + size + end != remote.size:
             raise ConfigError(f"model.path: weights file {name} in {loc.uri} is {remote.size} bytes but its "
                               f"header says {8 + size + end} (truncated or corrupt)")

@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 
 from pipeline.lease import HEARTBEAT_S, STALE_AFTER_S, LeaseHeld, _alive, describe
 from pipeline.lease import Lease as _LocalLease
-from pipeline.storage import Location
+from pipeline.storage import STORE_ERRORS, Location, access_error
 
 LEASES = "_leases"
 _ATTEMPTS = 20
@@ -54,9 +54,21 @@ def _listed(loc: Location) -> dict[str, dict]:
         except FileNotFoundError:
             continue                    # released meanwhile
         except (OSError, ValueError):
-            leases[f.path] = {}         # being written: counts as live until it ages (mtime) out
-            leases[f.path]["heartbeat"] = f.mtime.timestamp() if f.mtime else time.time()
+            # being written: counts as live until it ages out (its time in the store as the heartbeat)
+            leases[f.path] = {"unreadable": True, "heartbeat": f.mtime.timestamp() if f.mtime else time.time()}
     return leases
+
+
+def _still_stale(loc: Location, path: str, info: dict) -> bool:
+    """Read a lease judged stale once more right before deleting it: its holder may just have beaten."""
+    try:
+        with loc.fs.open_input_stream(path) as src:
+            again = json.loads(src.read())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return bool(info.get("unreadable"))       # still unreadable: as judged
+    return again.get("heartbeat") == info.get("heartbeat") and not _alive(again, time.time())
 
 
 def _live_others(loc: Location, own: str | None, announce: bool, held_only: bool = False) -> dict[str, dict]:
@@ -68,6 +80,8 @@ def _live_others(loc: Location, own: str | None, announce: bool, held_only: bool
             continue
         if _alive(info, now):
             live[path] = info
+            continue
+        if not _still_stale(loc, path, info):
             continue
         try:
             loc.fs.delete_file(path)
@@ -95,6 +109,16 @@ class ObjectLease(_LocalLease):
         _LocalLease._init_info(self, run_id)
         self.info["state"] = "held"
         self.path = f"{loc.path}/{LEASES}/{self.token}.json"
+        try:
+            self._acquire()
+        except STORE_ERRORS as e:
+            self._remove_if_ours()
+            raise access_error("output.path", loc, "take the lease (_leases/) in", e) from None
+        self._thread = threading.Thread(target=self._beat, name="orthrus-lease", daemon=True)
+        self._thread.start()
+
+    def _acquire(self) -> None:
+        loc = self.loc
         for _ in range(_ATTEMPTS):
             others = _live_others(loc, None, announce=True, held_only=True)
             if others:
@@ -109,15 +133,14 @@ class ObjectLease(_LocalLease):
             self.fs.delete_file(self.path)          # contended: both back off, one comes back first
             time.sleep(random.uniform(0.2, 2.0))
         else:
-            raise LeaseHeld(f"output.path {loc.uri}: could not take the lease; other jobs keep contending for it")
-        self._thread = threading.Thread(target=self._beat, name="orthrus-lease", daemon=True)
-        self._thread.start()
+            raise LeaseHeld(f"output.path {loc.uri}: could not take the lease; other jobs keep contending for it "
+                            f"(a claim left by a job killed while taking it ages out after {STALE_AFTER_S:.0f} s)")
 
     def _ours(self) -> bool:
         try:
             return self.fs.get_file_info(self.path).type == pafs.FileType.File and \
                 not _live_others(self.loc, self.path, announce=False, held_only=True)
-        except OSError:
+        except STORE_ERRORS:
             return True    # the store did not answer: the next heartbeat asks again
 
     def _write(self) -> None:
@@ -126,8 +149,8 @@ class ObjectLease(_LocalLease):
     def _remove_if_ours(self) -> None:
         try:
             self.fs.delete_file(self.path)
-        except (FileNotFoundError, OSError):
-            pass
+        except STORE_ERRORS:
+            pass             # gone already, or the store is away: it ages out
 
 
 __all__ = ["ObjectLease", "check_free", "HEARTBEAT_S", "STALE_AFTER_S", "LEASES"]

@@ -15,7 +15,6 @@ rewritten. The exclusive writer is ``object_lease.py``'s.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pyarrow as pa
@@ -25,8 +24,8 @@ import pyarrow.parquet as pq
 from pipeline.config import BehaviourConfig, ConfigError
 from pipeline.object_lease import LEASES, check_free
 from pipeline.output import (_OURS, DATA_DIR, LOGS_DIR, MARKER, RETRIED_DIR, CommittedParts,
-                             OutputWriteError)
-from pipeline.storage import Location, access_error
+                             OutputWriteError, new_run_id)
+from pipeline.storage import STORE_ERRORS, Location, access_error
 
 
 class ObjectOutputDir(CommittedParts):
@@ -35,7 +34,7 @@ class ObjectOutputDir(CommittedParts):
     def __init__(self, loc: Location) -> None:
         self.loc, self.fs = loc, loc.fs
         self.root = loc.uri
-        self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self.run_id = new_run_id()
         self._seq = 0
         self.committed = 0
         self.lease = None
@@ -67,9 +66,11 @@ class ObjectOutputDir(CommittedParts):
                 raise ConfigError(f"an input file is inside output.path {self.root}")
         try:
             top = self._top()
-        except OSError as e:
+            if self.fs.get_file_info(self.loc.path).type == pafs.FileType.File:
+                raise ConfigError(f"output.path {self.root} is an existing object, not a prefix")
+            check_free(self.loc)
+        except STORE_ERRORS as e:
             raise access_error("output.path", self.loc, "list", e) from None
-        check_free(self.loc)
         if [n for n in top if n != LEASES]:
             self._check_existing(behaviour, [n for n in top if n not in _OURS and n != LEASES], MARKER in top)
         self._probe()
@@ -81,7 +82,7 @@ class ObjectOutputDir(CommittedParts):
             with self.fs.open_output_stream(probe) as f:
                 f.write(b"\0" * 16)
             self.fs.delete_file(probe)
-        except OSError as e:
+        except STORE_ERRORS as e:
             raise access_error("output.path", self.loc, "write to", e) from None
 
     def prepare(self, behaviour: BehaviourConfig, meta: dict) -> None:
@@ -95,7 +96,7 @@ class ObjectOutputDir(CommittedParts):
                             self.fs.delete_dir(self._path(name))
                         else:
                             self.fs.delete_file(self._path(name))
-        except OSError as e:
+        except STORE_ERRORS as e:
             raise self._failed("(clearing for --overwrite)", e) from e
         self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
 
@@ -108,7 +109,7 @@ class ObjectOutputDir(CommittedParts):
         try:
             with self.fs.open_input_stream(self._path(MARKER)) as f:
                 return json.loads(f.read())
-        except (OSError, ValueError):
+        except (*STORE_ERRORS, ValueError):
             return {}
 
     def _put(self, path: str, payload: bytes | pa.Buffer, what: str) -> None:
@@ -116,7 +117,7 @@ class ObjectOutputDir(CommittedParts):
         try:
             with self.fs.open_output_stream(path) as f:
                 f.write(payload)
-        except OSError as e:
+        except STORE_ERRORS as e:
             raise self._failed(what, e) from e
 
     def write_atomic(self, name: str, payload: bytes) -> str:
@@ -130,11 +131,13 @@ class ObjectOutputDir(CommittedParts):
         return sorted(f.path for f in found if f.type == pafs.FileType.File
                       and f.base_name.startswith("part-") and f.base_name.endswith(".parquet"))
 
-    @staticmethod
-    def _serialise(table: pa.Table) -> pa.Buffer:
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        return sink.getvalue()
+    def _serialise(self, table: pa.Table) -> pa.Buffer:
+        try:
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink)
+            return sink.getvalue()
+        except pa.ArrowException as e:
+            raise self._failed("a part file (serialising it)", e) from e
 
     def commit(self, table: pa.Table) -> str:
         """Add one part: one PUT of the whole Parquet file at a new key."""
@@ -152,11 +155,15 @@ class ObjectOutputDir(CommittedParts):
             raise lost
         if keep.num_rows:
             self._put(part, self._serialise(keep), f"part file {part}")
-        else:
+            return
+        try:
             self.fs.delete_file(part)
+        except STORE_ERRORS as e:
+            raise self._failed(f"(deleting) part file {part}", e) from e
 
     def commit_order(self) -> list[str]:
-        """Committed parts, oldest first: name order (run ids start with the run's start time)."""
+        """Committed parts in name order: by the UTC start time of the run that wrote them, then in
+        the order that run committed them (an object's own time changes when a repair rewrites it)."""
         return self.part_files()
 
     def archive(self, name: str, table: pa.Table) -> str:

@@ -53,6 +53,11 @@ class OutputWriteError(RuntimeError):
     """Writing into the output directory failed; what was committed before is complete."""
 
 
+def new_run_id() -> str:
+    """``<UTC start time>-<random>``: part names sort by the start of the run that wrote them."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
 def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
@@ -138,7 +143,7 @@ class OutputDir(CommittedParts):
     def __init__(self, path: str) -> None:
         self.root = Path(os.path.realpath(path))  # real paths: a symlink cannot hide output-in-input
         self.data, self.tmp, self.marker = self.root / DATA_DIR, self.root / TMP_DIR, self.root / MARKER
-        self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self.run_id = new_run_id()
         self._seq = 0
         self.committed = 0  # part files this run committed
         self.lease = None   # the job's Lease (lease.py) once taken; a lost lease stops commits
@@ -158,11 +163,11 @@ class OutputDir(CommittedParts):
     def check(self, behaviour: BehaviourConfig, input_roots: tuple[str, ...], input_files: tuple[str, ...],
               model: str, input_scheme: str = "file") -> None:
         """Refuse unsafe or unwritable layouts before anything is written (leaves no trace)."""
-        for root in map(Path, input_roots):
+        for root in map(Path, input_roots if input_scheme == "file" else ()):
             if _inside(self.root, root):
                 raise ConfigError(f"output.path {self.root} is inside the input {root}; a rerun would read "
                                   "its own output. Choose a directory outside the inputs")
-        inside = [f for f in input_files if _inside(Path(f), self.root)]
+        inside = [f for f in input_files if input_scheme == "file" and _inside(Path(f), self.root)]
         if inside:
             raise ConfigError(f"input file {inside[0]} is inside output.path {self.root}")
         if self.root.exists() and not self.root.is_dir():
@@ -262,36 +267,44 @@ class OutputDir(CommittedParts):
         self._seq += 1
         self._write_part(self.data / name, table)
         self.committed += 1
+        self._fsync_dir_of(self.data / name)
         return self.data / name
 
-    def _write_part(self, dest: Path, table: pa.Table) -> None:
-        """Write ``table`` to ``dest`` whole or not at all (temp file, fsync, rename, fsync of the dir)."""
+    def _write_part(self, dest: Path, table: pa.Table, times_ns: tuple[int, int] | None = None) -> None:
+        """Write ``table`` to ``dest`` whole or not at all (temp file, fsync, rename); ``times_ns``:
+        its (atime, mtime), set before the rename so that no crash leaves it with another."""
         tmp = self.tmp / (dest.name + f".{uuid.uuid4().hex[:8]}.inprogress")
         try:
             with open(tmp, "wb") as f:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if times_ns is not None:
+                os.utime(tmp, ns=times_ns)
             os.replace(tmp, dest)
         except (OSError, pa.ArrowException) as e:
             raise self._failed(f"part file {dest.name}", e, tmp) from e
+
+    def _fsync_dir_of(self, path: Path) -> None:
         try:
-            fsync_dir(dest.parent)  # the rename itself survives a machine crash
+            fsync_dir(path.parent)  # the rename (or unlink) itself survives a machine crash
         except OSError as e:  # the part is complete and in place; only its durability is in doubt
-            raise self._failed(f"(fsync) part file {dest.name}", e, None) from e
+            raise self._failed(f"(fsync) part file {path.name}", e, None) from e
 
     def replace_part(self, part: Path, keep: pa.Table) -> None:
         """Rewrite a committed part with only ``keep``'s rows, in one atomic step (a rename over it;
         deleted if ``keep`` is empty). It keeps its name and commit time, so commit order stays."""
         if (lost := self._lost_lease()) is not None:
             raise lost
-        if not keep.num_rows:
-            part.unlink()
-            fsync_dir(part.parent)
-            return
-        committed = part.stat()
-        self._write_part(part, keep)
-        os.utime(part, ns=(committed.st_atime_ns, committed.st_mtime_ns))
+        try:
+            committed = part.stat()
+            if not keep.num_rows:
+                part.unlink()
+        except OSError as e:
+            raise self._failed(f"part file {part.name}", e, None) from e
+        if keep.num_rows:
+            self._write_part(part, keep, (committed.st_atime_ns, committed.st_mtime_ns))
+        self._fsync_dir_of(part)
 
     def commit_order(self) -> list[Path]:
         """Committed parts, oldest commit first."""
@@ -302,6 +315,7 @@ class OutputDir(CommittedParts):
         (self.root / RETRIED_DIR).mkdir(exist_ok=True)
         dest = self.root / RETRIED_DIR / name
         self._write_part(dest, table)
+        self._fsync_dir_of(dest)
         return str(dest)
 
     def write_log(self, name: str, text: str) -> str:

@@ -17,11 +17,15 @@ import os
 import re
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipeline.config import ConfigError, StorageConfig
 
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
+_HALF_URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+:/?(?!/)")    # 's3:/bkt/x', 's3:bkt': a slash short
+_BUCKET_STORES = ("s3", "gs", "gcs")
+STORE_ERRORS = (OSError, pa.ArrowException)     # what a filesystem call raises (ArrowInvalid: a bad path)
 CREDENTIALS_HINT = ("credentials come from the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
                     "GOOGLE_APPLICATION_CREDENTIALS), the standard config files or the instance role; "
                     "storage.endpoint and storage.region set where the store is")
@@ -50,6 +54,7 @@ class Location:
     fs: pafs.FileSystem
     path: str          # inside ``fs``: 'bucket/prefix/key' on object stores, an absolute local path
     scheme: str        # 's3', 'gs', ... or 'file'
+    authority: str = ""   # 'namenode:8020' of hdfs://namenode:8020/path; '' where the path holds it
 
     @property
     def local(self) -> bool:
@@ -58,56 +63,83 @@ class Location:
     @property
     def uri(self) -> str:
         """How messages name it: the user's form of the path."""
-        return self.path if self.local else f"{self.scheme}://{self.path}"
+        return self.path if self.local else f"{self.scheme}://{self.authority}{self.path}"
+
+    def at(self, path: str) -> "Location":
+        """Another path in the same filesystem."""
+        return Location(self.fs, path, self.scheme, self.authority)
 
     def __str__(self) -> str:
         return self.uri
 
 
+def _endpoint(storage: StorageConfig) -> tuple[str | None, str]:
+    """(host[:port], 'http' or 'https') of ``storage.endpoint``."""
+    if storage.endpoint and "://" in storage.endpoint:
+        scheme, host = storage.endpoint.split("://", 1)
+        return host, scheme
+    return storage.endpoint, "https"
+
+
 @functools.lru_cache(maxsize=16)
-def filesystem(scheme: str, storage: StorageConfig, authority: str = "") -> pafs.FileSystem:
-    """The filesystem for ``scheme`` with the ``storage`` settings (cached per process)."""
+def _object_store(scheme: str, storage: StorageConfig, region: str | None) -> pafs.FileSystem:
+    endpoint, http = _endpoint(storage)
     if scheme == "s3":
-        endpoint, http = storage.endpoint, None
-        if endpoint and "://" in endpoint:
-            http, endpoint = endpoint.split("://", 1)
-        return pafs.S3FileSystem(region=storage.region, endpoint_override=endpoint, scheme=http or "https",
+        return pafs.S3FileSystem(region=region, endpoint_override=endpoint, scheme=http,
                                  anonymous=storage.anonymous, connect_timeout=storage.connect_timeout_s,
                                  request_timeout=storage.request_timeout_s)
-    if scheme in ("gs", "gcs"):
-        endpoint, http = storage.endpoint, "https"
-        if endpoint and "://" in endpoint:
-            http, endpoint = endpoint.split("://", 1)
-        return pafs.GcsFileSystem(anonymous=storage.anonymous, endpoint_override=endpoint, scheme=http,
-                                  default_bucket_location=storage.region or "US",
-                                  request_timeout=storage.request_timeout_s)
+    return pafs.GcsFileSystem(anonymous=storage.anonymous, endpoint_override=endpoint, scheme=http,
+                              default_bucket_location=storage.region or "US")
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_region(bucket: str) -> str | None:
+    """An S3 bucket's region (a bucket outside the client's region answers 301, which reads like
+    an access problem); None if it cannot be found out, and the client's default applies."""
     try:
-        return pafs.FileSystem.from_uri(f"{scheme}://{authority}")[0]
-    except Exception:  # noqa: BLE001 - pyarrow has no filesystem for it: try fsspec's
+        return pafs.resolve_s3_region(bucket)
+    except STORE_ERRORS:
+        return None
+
+
+def _other(path: str) -> tuple[pafs.FileSystem, str, str]:
+    """(filesystem, path in it, authority) of a URI pyarrow or, failing that, fsspec can open."""
+    authority = _URI.match(path).group(2).split("/", 1)[0]
+    try:
+        fs, inner = pafs.FileSystem.from_uri(path)
+        return fs, inner, authority
+    except STORE_ERRORS:   # pyarrow has no filesystem for it (or no driver, e.g. libhdfs): try fsspec's
         import fsspec
 
-        return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(scheme)))
+        fs, inner = fsspec.core.url_to_fs(path)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), inner, ""
 
 
 def locate(path: str, storage: StorageConfig, field: str) -> Location:
     """The :class:`Location` of a config path; :class:`ConfigError` naming ``field`` if it cannot be."""
     scheme = scheme_of(path)
+    if scheme is None and _HALF_URI.match(path):
+        raise ConfigError(f"{field}: {path!r} looks like a URI without its '//' (write scheme://bucket/path); "
+                          "a local path with a ':' in its first name must start with './'")
     if scheme in (None, "file", "local"):
-        local = _URI.match(path).group(2) if scheme else path
-        return Location(pafs.LocalFileSystem(), os.path.realpath(local), "file")
+        return Location(pafs.LocalFileSystem(), os.path.realpath(local_path(path)), "file")
     rest = _URI.match(path).group(2)
-    if scheme in ("s3", "gs", "gcs") and not rest.split("/", 1)[0]:
-        raise ConfigError(f"{field}: {path!r} names no bucket ({scheme}://BUCKET/prefix)")
+    if scheme in _BUCKET_STORES:
+        bucket = rest.split("/", 1)[0]
+        if not bucket or any(c in bucket for c in "*?["):
+            raise ConfigError(f"{field}: {path!r} names no bucket ({scheme}://BUCKET/prefix; no wildcards in it)")
+        if "//" in rest.rstrip("/"):
+            raise ConfigError(f"{field}: {path!r} has an empty path component ('//')")
     try:
-        fs = filesystem(scheme, storage, rest.split("/", 1)[0] if scheme not in ("s3", "gs", "gcs") else "")
+        if scheme in _BUCKET_STORES:
+            region = storage.region or (None if storage.endpoint or scheme != "s3" else _bucket_region(bucket))
+            fs, inner, authority = _object_store(scheme, storage, region), rest, ""
+        else:
+            fs, inner, authority = _other(path)
     except Exception as e:  # noqa: BLE001 - unknown scheme, missing driver, bad option
         raise ConfigError(f"{field}: {path!r}: no filesystem for the scheme {scheme!r} ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if scheme in ("s3", "gs", "gcs"):
-        inner = rest
-    else:  # hdfs://host:port/path and fsspec schemes: the path part, as that filesystem names it
-        inner = "/" + rest.split("/", 1)[1] if "/" in rest else "/"
-    return Location(fs, inner.rstrip("/") or inner, "gs" if scheme == "gcs" else scheme)
+    return Location(fs, inner.rstrip("/") or inner, "gs" if scheme == "gcs" else scheme, authority)
 
 
 def access_error(field: str, where: Location, what: str, error: Exception) -> ConfigError:
@@ -127,7 +159,7 @@ def info(loc: Location, field: str) -> pafs.FileInfo:
             raise ConfigError(f"{field}: cannot read {loc.uri}: the bucket {bucket!r} does not exist (or these "
                               f"credentials cannot see it); {CREDENTIALS_HINT}")
         return found
-    except OSError as e:  # from the store: denied, unreachable, bad signature
+    except STORE_ERRORS as e:  # from the store: denied, unreachable, bad signature, a bad path
         raise access_error(field, loc, "read", e) from None
 
 
@@ -135,31 +167,36 @@ def list_files(loc: Location, field: str) -> list[pafs.FileInfo]:
     """Every file below ``loc`` (recursive), or a :class:`ConfigError` naming ``field``."""
     try:
         found = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True, allow_not_found=True))
-    except Exception as e:  # noqa: BLE001 - see info()
+    except STORE_ERRORS as e:  # see info()
         raise access_error(field, loc, "list", e) from None
     return [f for f in found if f.type == pafs.FileType.File]
 
 
 def glob_regex(pattern: str) -> re.Pattern:
-    """A glob as a regex over whole paths, with ``glob.glob(recursive=True)``'s semantics: ``*`` and
-    ``?`` stay inside one path segment, ``**`` spans any number of them, ``[...]`` is a character
-    class, and a wildcard never matches a name's leading dot."""
+    """A glob as a regex over whole paths, with ``glob.glob(recursive=True)``'s semantics: ``*``, ``?``
+    and ``[...]`` stay inside one path segment, a segment that is exactly ``**`` spans any number of
+    segments (elsewhere ``**`` is ``*``), ``[!...]`` negates, and a wildcard never matches a name's
+    leading dot."""
     out, i = [], 0
     while i < len(pattern):
         start = "(?!\\.)" if i == 0 or pattern[i - 1] == "/" else ""   # hidden names need an explicit dot
-        if pattern.startswith("**/", i):
+        whole = start and pattern.startswith("**", i) and pattern[i + 2:i + 3] in ("", "/")
+        if whole and pattern.startswith("**/", i):
             out.append("(?:(?!\\.)[^/]+/)*")
             i += 3
-        elif pattern.startswith("**", i):
-            out.append(start + "(?:[^/]*(?:/(?!\\.)[^/]*)*)")
+        elif whole:
+            out.append("(?:(?!\\.)[^/]*(?:/(?!\\.)[^/]*)*)?")
             i += 2
         elif pattern[i] in "*?":
+            n = 2 if pattern.startswith("**", i) else 1
             out.append(start + ("[^/]*" if pattern[i] == "*" else "[^/]"))
-            i += 1
+            i += n if pattern[i] == "*" else 1
         elif pattern[i] == "[" and "]" in pattern[i + 2:]:
             end = pattern.index("]", i + 2)
             body = pattern[i + 1:end]
-            out.append(start + "[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            negate = body.startswith("!")
+            chars = re.sub(r"([\\^\]])", r"\\\1", body[1:] if negate else body)
+            out.append(start + "(?!/)[" + ("^/" if negate else "") + chars + "]")
             i = end + 1
         else:
             out.append(re.escape(pattern[i]))

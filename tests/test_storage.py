@@ -1,5 +1,5 @@
 """Object storage without Ray: URIs, inputs, the object-store output and lease, the model cache and
-the exit-2 refusals, against a real S3-protocol server (moto's, on loopback; ``s3_server.py``)."""
+the exit-2 refusals, against a real S3-protocol server (moto's, on loopback; ``jobs/local_s3.py``)."""
 from __future__ import annotations
 
 import glob
@@ -49,14 +49,15 @@ def _table(ids, **cols):
 
 def test_glob_regex_matches_what_glob_matches_on_a_local_tree(tmp_path):
     for rel in ["a.parquet", "b/c.parquet", "b/d/e.parquet", "b/x.txt", "f1.parquet", "f22.parquet", ".h.parquet",
-                "b/.h/e.parquet", "b/.g.parquet"]:
+                "b/.h/e.parquet", "b/.g.parquet", "b/xd/y.parquet", "^.parquet", "bz.parquet"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
     files = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
     for pattern in ["*.parquet", "**/*.parquet", "b/*.parquet", "b/**", "f?.parquet", "f[0-9]*.parquet",
-                    "f[!1]*.parquet", "**/e.parquet", "**", "b/.*.parquet", "*/.h/*"]:
+                    "f[!1]*.parquet", "**/e.parquet", "**", "b/.*.parquet", "*/.h/*", "b/x**.parquet", "b**",
+                    "[^a].parquet", "?.parquet", "b/[c-d]*", "b[/]c.parquet", "**/", "b/**/"]:
         full = f"{tmp_path}/{pattern}"
-        want = sorted(p for p in glob.glob(full, recursive=True) if os.path.isfile(p))
+        want = sorted(p for p in glob.glob(full, recursive=True) if os.path.isfile(p))   # files only, as listed
         assert sorted(f for f in files if glob_regex(full).match(f)) == want, pattern
 
 
@@ -67,6 +68,29 @@ def test_uris_name_the_field_when_they_cannot_be_used():
         locate("s3:///key", StorageConfig(), "input.paths[0]")
     loc = locate("file:///tmp/../tmp/x", StorageConfig(), "output.path")
     assert loc.local and loc.path == os.path.realpath("/tmp/x")
+    for bad, message in [("s3:/bkt/x", "looks like a URI without its '//'"), ("s3://bkt//x", "has an empty path component"),
+                         ("s3://b*/x", "names no bucket")]:
+        with pytest.raises(ConfigError, match=f"input.paths\\[0\\]: '{re.escape(bad)}' {message}"):
+            locate(bad, StorageConfig(), "input.paths[0]")
+    gcs = locate("gs://bkt/prefix/", StorageConfig(anonymous=True), "output.path")   # built, nothing fetched
+    assert (gcs.uri, gcs.path, gcs.fs.type_name) == ("gs://bkt/prefix", "bkt/prefix", "gcs")
+
+
+def test_schemes_pyarrow_lacks_go_through_fsspec_with_their_full_path(tmp_path):
+    """``memory://`` (fsspec's in-process store) stands for any fsspec-only scheme: listing, globs,
+    reading and the plan's filesystem all go through pyarrow's fsspec handler."""
+    import fsspec
+
+    from pipeline.inputs import inspect_inputs
+
+    mem = fsspec.filesystem("memory")
+    for name, ids in {"a.parquet": ["a0", "a1"], "sub/b.parquet": ["b0"]}.items():
+        with mem.open(f"/bkt/in/{name}", "wb") as f:
+            pq.write_table(_table(ids), f)
+    plan = inspect_inputs(InputConfig(paths=["memory://bkt/in"]))
+    assert plan.files == ("/bkt/in/a.parquet", "/bkt/in/sub/b.parquet") and plan.num_rows == 3
+    assert inspect_inputs(InputConfig(paths=["memory://bkt/in/*.parquet"])).files == ("/bkt/in/a.parquet",)
+    assert locate("memory://bkt/in", StorageConfig(), "input.paths").uri == "memory:///bkt/in"
 
 
 # ---------------------------------------------------------------- inputs on S3
@@ -275,3 +299,25 @@ def test_bad_uri_missing_bucket_and_bad_credentials_exit_2_naming_the_field(tmp_
             assert "Started a local Ray" not in proc.stdout + proc.stderr
         assert not [f for f in fs.get_file_info(pafs.FileSelector("bkt", recursive=True))
                     if f.path.startswith("bkt/out")]          # refused before anything was written
+
+
+_CUT_SHORT = """
+import os, sys
+from jobs.local_s3 import s3fs
+fs = s3fs(sys.argv[1])
+f = fs.open_output_stream("bkt/cut/data/part-x.parquet")
+f.write(os.urandom(12 << 20))         # past the first multipart chunk: parts are on the server
+f.flush()
+print("written", flush=True)
+os._exit(9)                           # killed before the upload completes
+"""
+
+
+def test_an_upload_cut_short_never_becomes_a_part(s3):
+    from pipeline.object_output import ObjectOutputDir
+
+    proc = subprocess.run([sys.executable, "-c", _CUT_SHORT, s3["endpoint"]], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 9 and "written" in proc.stdout, proc.stderr[-2000:]
+    out = ObjectOutputDir(locate("s3://bkt/cut", s3["storage"], "output.path"))
+    assert out.part_files() == [] and out.finished_keys().to_pylist() == []
