@@ -62,3 +62,20 @@ def test_train_job_trains_twins_saves_and_resumes(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["OrthrusLM"] and cfg["block_size"] == 4
     assert (out / "tokenizer.json").is_file()
+
+
+def test_own_fraction_sets_the_share_of_own_continuations(tmp_path):
+    base = _tiny_dir(tmp_path)
+    data = tmp_path / "text"
+    data.mkdir()
+    (data / "a.txt").write_text((ROOT / "orthrus" / "sampling.py").read_text() * 4)
+    rows = {}
+    for fraction in ("1.0", "0.5"):
+        out = tmp_path / f"out{fraction}"
+        _run("--model", str(base), "--out", str(out), "--data", str(data), "--seq-len", "64", "--anchors", "4",
+             "--block-size", "4", "--batch-size", "2", "--eval-every", "0", "--eval-prompts", "0", "--threads", "1",
+             "--steps", "1", "--self-distill", "4", "--own-fraction", fraction, "--own-temperature", "0.7")
+        log = (out / "train.log").read_text()
+        rows[fraction] = int(log.split("rows=(", 1)[1].split(",", 1)[0])
+    # 4 continuations of 64 + 192 tokens = 16 rows of 64; half own = as many corpus rows again
+    assert rows == {"1.0": 16, "0.5": 32}
