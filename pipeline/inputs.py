@@ -117,23 +117,20 @@ def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
     (None: local)."""
     files: set[str] = set()
     roots: list[str] = []
-    stores = {is_remote(p) and (lambda loc: (loc.scheme, loc.authority))(locate(p, storage, "input.paths"))
-              for p in cfg.paths}
-    if len(stores) > 1:
+    where = [f"input.paths[{i}] ({p!r})" for i, p in enumerate(cfg.paths)]
+    locs = [locate(p, storage, w) if is_remote(p) else None for p, w in zip(cfg.paths, where)]
+    if len({(loc.scheme, loc.authority) if loc else None for loc in locs}) > 1:
         raise ConfigError(f"input.paths mixes filesystems ({', '.join(cfg.paths)}); put every input in one store")
-    remote = None
-    for i, pattern in enumerate(cfg.paths):
-        where = f"input.paths[{i}] ({pattern!r})"
-        if is_remote(pattern):
-            remote = locate(pattern, storage, where)
-            found, root = _expand_remote(remote, where)
+    for i, (pattern, remote) in enumerate(zip(cfg.paths, locs)):
+        if remote is not None:
+            found, root = _expand_remote(remote, where[i])
             if not found:
-                raise ConfigError(f"{where}: matched no Parquet files")
+                raise ConfigError(f"{where[i]}: matched no Parquet files")
         else:
             found, root = _expand(local_path(pattern), i)
         files.update(found)
         roots.append(root)
-    return sorted(files), roots, remote
+    return sorted(files), roots, locs[0]
 
 
 def _read_schema(path: str, fs: pafs.FileSystem | None) -> tuple[pa.Schema, int]:

@@ -84,13 +84,18 @@ def describe(info: dict, now: float) -> str:
             f"{info.get('started', '?')}, last heartbeat {age:.0f} s ago: {info.get('command', '?')})")
 
 
+def held_by(root, info: dict, now: float) -> LeaseHeld:
+    """The refusal naming the live holder ``info`` of output ``root`` (a path or URI)."""
+    return LeaseHeld(f"output.path {root} is in use by another job: {describe(info, now)}. Wait for it to end "
+                     "or stop it; a lease whose job is dead is taken over automatically")
+
+
 def check_free(root: Path) -> None:
     """Raise :class:`LeaseHeld` naming the holder if a live job holds ``root`` (no side effects)."""
     info = _read(root / LEASE)
     now = time.time()
     if info and _alive(info, now):
-        raise LeaseHeld(f"output.path {root} is in use by another job: {describe(info, now)}. Wait for it to end "
-                        "or stop it; a lease whose job is dead is taken over automatically")
+        raise held_by(root, info, now)
 
 
 class Lease:

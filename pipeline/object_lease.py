@@ -28,7 +28,7 @@ import time
 
 import pyarrow.fs as pafs
 
-from pipeline.lease import HEARTBEAT_S, STALE_AFTER_S, LeaseHeld, _alive, describe
+from pipeline.lease import HEARTBEAT_S, STALE_AFTER_S, LeaseHeld, _alive, describe, held_by
 from pipeline.lease import Lease as _LocalLease
 from pipeline.storage import STORE_ERRORS, Location, access_error
 
@@ -97,8 +97,7 @@ def check_free(loc: Location) -> None:
     now = time.time()
     for info in _listed(loc).values():
         if _alive(info, now) and info.get("state") == "held":
-            raise LeaseHeld(f"output.path {loc.uri} is in use by another job: {describe(info, now)}. Wait for it "
-                            "to end or stop it; a lease whose job is dead is taken over automatically")
+            raise held_by(loc.uri, info, now)
 
 
 class ObjectLease(_LocalLease):
@@ -122,10 +121,7 @@ class ObjectLease(_LocalLease):
         for _ in range(_ATTEMPTS):
             others = _live_others(loc, None, announce=True, held_only=True)
             if others:
-                info = next(iter(others.values()))
-                raise LeaseHeld(f"output.path {loc.uri} is in use by another job: {describe(info, time.time())}. "
-                                "Wait for it to end or stop it; a lease whose job is dead is taken over "
-                                "automatically")
+                raise held_by(loc.uri, next(iter(others.values())), time.time())
             _put(self.fs, self.path, {**self.info, "state": "claim"})
             if not _live_others(loc, self.path, announce=False):
                 _put(self.fs, self.path, self.info)
