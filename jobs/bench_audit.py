@@ -18,9 +18,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pipeline.config import AuditConfig, load_config
-from pipeline.job import preflight
-from pipeline.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.stage import GenerationStage, StagePlan
+from pipeline.run.job import preflight
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.actor.stage import GenerationStage, StagePlan
 
 
 def audit_overhead(model_dir: str, prompts_dir: str, rows: int = 64, max_new_tokens: int = 64, reps: int = 3,

@@ -111,10 +111,10 @@ def stop_string_waste(config_path: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from pipeline import schema as S
+    from pipeline.rows import schema as S
     from pipeline.config import load_config
-    from pipeline.job import preflight
-    from pipeline.preprocess import PreprocessPlan, preprocess_batch
+    from pipeline.run.job import preflight
+    from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
 
     cfg = load_config(config_path, [])
     inputs = preflight(cfg).inputs

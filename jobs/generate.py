@@ -8,7 +8,7 @@ existing output dir; ``--overwrite`` replaces it; ``--dedupe`` repairs a directo
 once wrote at the same time, ``--retry-errors`` generates the error rows again, and
 ``--allow-config-change`` accepts a resume with other model, sampling or prompt settings (all three
 resume). The job holds an exclusive lease on its output directory
-(``pipeline/lease.py``) from before Ray starts to the end.
+(``pipeline/storage/lease.py``) from before Ray starts to the end.
 
 Exit status: 0 done; 1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``:
 ``--resume`` continues); 2 refused before any model loaded (config, inputs, output dir, or another
@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cluster import connect
+from pipeline.run.cluster import connect
 from pipeline.config import ConfigError, load_config
-from pipeline.job import preflight, run, take_lease
-from pipeline.crash import crash_message
-from pipeline.output import OutputWriteError
+from pipeline.run.job import preflight, run, take_lease
+from pipeline.run.crash import crash_message
+from pipeline.output.directory import OutputWriteError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -180,7 +180,7 @@ class BehaviourConfig(_Section):
 
 
 class AuditConfig(_Section):
-    """The lossless audit: re-decode some greedy rows with plain AR and compare (``pipeline/audit.py``)."""
+    """The lossless audit: re-decode some greedy rows with plain AR and compare (``pipeline/actor/audit.py``)."""
 
     fraction: float = Field(0.0, ge=0.0, le=1.0, description=(
         "Fraction of greedy rows each actor re-decodes with plain AR on the same model, picked by a "

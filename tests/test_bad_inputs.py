@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.job import preflight
-from pipeline.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.stage import GenerationStage, StagePlan
+from pipeline.run.job import preflight
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.actor.stage import GenerationStage, StagePlan
 from test_pipeline_units import _config, _shard, weightless_model  # noqa: F401 - fixture reused
 
 MSG = '[{"role": "user", "content": "%s"}]'
@@ -205,7 +205,7 @@ def test_oom_batches_split_and_retry_and_a_row_failing_alone_is_an_error_row(tmp
 
 
 def test_fault_spec_is_checked():
-    from pipeline.faults import FaultInjector
+    from pipeline.actor.faults import FaultInjector
 
     assert FaultInjector.parse(None) is None and FaultInjector.parse("") is None
     assert FaultInjector.parse("oom_if_batch_gt:3,oom_on_id:a:b").oom_ids == {"a:b"}

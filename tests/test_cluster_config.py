@@ -86,7 +86,7 @@ def test_cluster_job_example_is_valid_and_asks_for_gpus():
 
 
 def test_object_storage_job_example_is_valid_and_has_every_path_on_s3():
-    from pipeline.storage import scheme_of
+    from pipeline.storage.uris import scheme_of
 
     cfg = load_config(REPO / "examples" / "cluster-s3.yaml")
     assert {scheme_of(p) for p in [*cfg.input.paths, cfg.output.path, cfg.model.path]} == {"s3"}

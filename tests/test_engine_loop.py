@@ -1,4 +1,4 @@
-"""The actor's engine thread (pipeline/engine_loop.py): several batches share one streaming engine.
+"""The actor's engine thread (pipeline/actor/engine_loop.py): several batches share one streaming engine.
 
 No Ray here (the async actor runs on a real Ray head in tests/test_pipeline_ray.py and
 tests/test_faults_ray.py); this drives the loop from asyncio the way Ray Data's async actor does.
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
-from pipeline.engine_loop import EngineLoop, GroupFailed
+from pipeline.actor.engine_loop import EngineLoop, GroupFailed
 from tiny_models import tiny_model
 
 POISON = 62

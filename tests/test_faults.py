@@ -21,11 +21,11 @@ import pytest
 
 from jobs.generate import main
 from pipeline.config import BehaviourConfig, ConfigError, load_config
-from pipeline.job import preflight
-from pipeline.output import OutputDir, OutputWriteError
-from pipeline.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.schema import output_schema, to_output_table
-from pipeline.stage import GenerationStage, StagePlan
+from pipeline.run.job import preflight
+from pipeline.output.directory import OutputDir, OutputWriteError
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.rows.schema import output_schema, to_output_table
+from pipeline.actor.stage import GenerationStage, StagePlan
 from test_pipeline_units import _config, _shard, weightless_model  # noqa: F401 - fixture reused
 
 

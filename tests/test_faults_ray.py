@@ -97,9 +97,9 @@ def _bad_input_shards(d: Path) -> dict[str, str | None]:
 
 
 def test_bad_inputs_and_oom_end_to_end_rows_in_equal_rows_out(driver, tiny_orthrus_dir, tmp_path, monkeypatch):
-    from pipeline.cluster import connect
+    from pipeline.run.cluster import connect
     from pipeline.config import load_config
-    from pipeline.job import preflight, run
+    from pipeline.run.job import preflight, run
 
     expected = _bad_input_shards(tmp_path / "in")
     monkeypatch.setenv("ORTHRUS_FAULT_INJECT", "oom_if_batch_gt:2,oom_on_id:oom-row")

@@ -13,8 +13,8 @@ import torch
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.sampling import SamplingTensors, process
 from pipeline.config import ConfigError
-from pipeline.job import preflight
-from pipeline.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.run.job import preflight
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
 from test_pipeline_units import _config, _shard, weightless_model  # noqa: F401 - fixture reused
 
 MSG = '[{"role": "user", "content": "%s"}]'
@@ -145,7 +145,7 @@ def _plant(root, **info) -> None:
 
 
 def test_a_live_lease_refuses_a_second_job_naming_it(tmp_path):
-    from pipeline.lease import Lease, LeaseHeld, check_free
+    from pipeline.storage.lease import Lease, LeaseHeld, check_free
 
     with Lease(tmp_path / "out", "run-1") as lease:
         assert (tmp_path / "out" / "_lease.json").exists() and not lease.lost
@@ -165,7 +165,7 @@ def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, hol
     import socket
     import time
 
-    from pipeline.lease import Lease, LeaseHeld, _pid_start
+    from pipeline.storage.lease import Lease, LeaseHeld, _pid_start
 
     here = socket.gethostname()
     info = {"dead pid on this host": dict(host=here, pid=_dead_pid(), heartbeat=time.time()),
@@ -187,7 +187,7 @@ def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, hol
 _RACER = """
 import sys, time
 from pathlib import Path
-from pipeline.lease import Lease, LeaseHeld
+from pipeline.storage.lease import Lease, LeaseHeld
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
 try:
     lease = Lease(Path(sys.argv[1]), "racer")
@@ -222,9 +222,9 @@ def test_a_lost_lease_stops_commits(tmp_path, monkeypatch):
     import json
     import time
 
-    from pipeline import lease as L
+    from pipeline.storage import lease as L
     from pipeline.config import BehaviourConfig
-    from pipeline.output import OutputDir, OutputWriteError
+    from pipeline.output.directory import OutputDir, OutputWriteError
 
     monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
     out = OutputDir(str(tmp_path / "out"))
@@ -246,8 +246,8 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
     import time
 
     from pipeline.config import BehaviourConfig
-    from pipeline.output import OutputDir
-    from pipeline.repair import dedupe
+    from pipeline.output.directory import OutputDir
+    from pipeline.output.repair import dedupe
 
     _shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["p", "q", "r"])
     out = OutputDir(str(tmp_path / "out"))
@@ -269,7 +269,7 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
 
 
 def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
-    from pipeline.column_types import check_group
+    from pipeline.rows.column_types import check_group
 
     interval = pa.array([pa.scalar((1, 2, 3), pa.month_day_nano_interval()).as_py()], pa.month_day_nano_interval())
     group = pa.table({"id": ["a"], "when": interval})
@@ -280,8 +280,8 @@ def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
 
 def test_retry_errors_moves_error_rows_out_of_data_keeping_each_key_once(tmp_path, weightless_model):
     from pipeline.config import BehaviourConfig
-    from pipeline.output import OutputDir
-    from pipeline.repair import retry_errors
+    from pipeline.output.directory import OutputDir
+    from pipeline.output.repair import retry_errors
 
     out = OutputDir(str(tmp_path / "out"))
     out.prepare(BehaviourConfig(), {})
@@ -294,8 +294,8 @@ def test_retry_errors_moves_error_rows_out_of_data_keeping_each_key_once(tmp_pat
 
 
 def test_a_resume_with_another_configuration_is_refused_naming_the_changes(tmp_path, weightless_model):
-    from pipeline.job import preflight as pre
-    from pipeline.fingerprint import fingerprint
+    from pipeline.run.job import preflight as pre
+    from pipeline.run.fingerprint import fingerprint
 
     _shard(tmp_path, "a.parquet", id=["a"], prompt=["p"])
     first = _config(tmp_path, weightless_model, sampling={"temperature": 0.0})
@@ -317,7 +317,7 @@ def test_an_unreadable_lease_is_rewritten_by_its_holder_not_given_up(tmp_path, m
     import json
     import time
 
-    from pipeline import lease as L
+    from pipeline.storage import lease as L
 
     monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
     with L.Lease(tmp_path / "out", "run-1") as lease:

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.audit import audit_statistics, first_divergence, is_audited
+from pipeline.actor.audit import audit_statistics, first_divergence, is_audited
 from pipeline.config import AuditConfig
-from pipeline.engine_loop import EngineLoop
-from pipeline.job import preflight
-from pipeline.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.progress import Progress
-from pipeline.stage import GenerationStage, StagePlan
-from pipeline.summary import render_table
+from pipeline.actor.engine_loop import EngineLoop
+from pipeline.run.job import preflight
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.report.progress import Progress
+from pipeline.actor.stage import GenerationStage, StagePlan
+from pipeline.report.summary import render_table
 from test_bad_inputs import _config, _shard
 from test_pipeline_units import TOKENIZER_DIR
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.audit import is_audited
+from pipeline.actor.audit import is_audited
 from test_pipeline_ray import REPO, VENV_BIN, _base_env, _keys, _parts, _shard, head  # noqa: F401 - fixture reused
 
 pytestmark = pytest.mark.slow

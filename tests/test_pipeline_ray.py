@@ -27,7 +27,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.schema import output_schema
+from pipeline.rows.schema import output_schema
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -319,8 +319,8 @@ def test_actor_death_is_retried_without_duplicates(head, tiny_orthrus_dir, tmp_p
     from ray import cloudpickle
 
     from pipeline.config import load_config
-    from pipeline.job import preflight, run
-    from pipeline.stage import GenerationStage
+    from pipeline.run.job import preflight, run
+    from pipeline.actor.stage import GenerationStage
 
     _shard(tmp_path / "in" / "a.parquet", id=[f"a{i}" for i in range(8)], prompt=[f"def a{i}():" for i in range(8)])
     cfg = load_config(None, data={"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "o")},

@@ -13,17 +13,17 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline.config import BehaviourConfig, ConfigError, EngineConfig, ResourcesConfig, load_config
-from pipeline.job import preflight
-from pipeline.output import OutputDir
+from pipeline.run.job import preflight
+from pipeline.output.directory import OutputDir
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline import schema as S
-from pipeline.postprocess import detokenize_batch
-from pipeline.preprocess import PreprocessPlan, derive_seed, preprocess_batch
-from pipeline.resources import check_engine_placement, resolve_placement
-from pipeline.stage import GenerationStage, StagePlan
-from pipeline.schema import OUTPUT_FIELDS, key_strings, output_schema, to_output_table
+from pipeline.rows import schema as S
+from pipeline.actor.postprocess import detokenize_batch
+from pipeline.rows.preprocess import PreprocessPlan, derive_seed, preprocess_batch
+from pipeline.run.resources import check_engine_placement, resolve_placement
+from pipeline.actor.stage import GenerationStage, StagePlan
+from pipeline.rows.schema import OUTPUT_FIELDS, key_strings, output_schema, to_output_table
 from orthrus.metrics import acceptance_by_position
-from pipeline.summary import row_statistics
+from pipeline.report.summary import row_statistics
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-orthrus-py"
 
@@ -261,8 +261,8 @@ def test_acceptance_statistics():
 
 
 def test_throughput_tracker_separates_startup_from_steady_rate():
-    from pipeline import schema as S
-    from pipeline.throughput import ThroughputTracker
+    from pipeline.rows import schema as S
+    from pipeline.report.throughput import ThroughputTracker
 
     def block(call: str, tokens: int, occupancy: list[int], started: float | None = None) -> pa.Table:
         return pa.table({S.ACTOR: ["a", "a"], S.GPU_IDS: ["", ""], S.CALL_ID: [call, call],

@@ -20,8 +20,8 @@ from jobs.local_s3 import CLIENT_ENV, iam_user, moto_server, s3fs, upload
 from test_pipeline_units import TOKENIZER_DIR
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, ModelConfig, StorageConfig
-from pipeline.lease import LeaseHeld
-from pipeline.storage import glob_regex, locate
+from pipeline.storage.lease import LeaseHeld
+from pipeline.storage.uris import glob_regex, locate
 
 REPO = TOKENIZER_DIR.parents[1]
 
@@ -81,7 +81,7 @@ def test_schemes_pyarrow_lacks_go_through_fsspec_with_their_full_path(tmp_path):
     reading and the plan's filesystem all go through pyarrow's fsspec handler."""
     import fsspec
 
-    from pipeline.inputs import inspect_inputs
+    from pipeline.rows.inputs import inspect_inputs
 
     mem = fsspec.filesystem("memory")
     for name, ids in {"a.parquet": ["a0", "a1"], "sub/b.parquet": ["b0"]}.items():
@@ -96,7 +96,7 @@ def test_schemes_pyarrow_lacks_go_through_fsspec_with_their_full_path(tmp_path):
 # ---------------------------------------------------------------- inputs on S3
 
 def test_inputs_on_s3_prefixes_globs_files_and_hive_partitions(s3):
-    from pipeline.inputs import inspect_inputs
+    from pipeline.rows.inputs import inspect_inputs
 
     fs = s3["fs"]
     for key, ids in {"in/a.parquet": ["a0", "a1"], "in/sub/b.parquet": ["b0"], "in/_tmp/skip.parquet": ["t"],
@@ -123,8 +123,8 @@ def test_inputs_on_s3_prefixes_globs_files_and_hive_partitions(s3):
 # ---------------------------------------------------------------- output: one PUT per part
 
 def test_object_output_commits_reads_back_and_refuses_like_a_local_dir(s3):
-    from pipeline.object_output import ObjectOutputDir
-    from pipeline.repair import dedupe, retry_errors
+    from pipeline.output.object_directory import ObjectOutputDir
+    from pipeline.output.repair import dedupe, retry_errors
 
     loc = locate("s3://bkt/out1", s3["storage"], "output.path")
     out = ObjectOutputDir(loc)
@@ -162,9 +162,9 @@ def test_object_output_commits_reads_back_and_refuses_like_a_local_dir(s3):
 _RACER = """
 import sys, time
 from pipeline.config import StorageConfig
-from pipeline.lease import LeaseHeld
-from pipeline.object_lease import ObjectLease
-from pipeline.storage import locate
+from pipeline.storage.lease import LeaseHeld
+from pipeline.storage.object_lease import ObjectLease
+from pipeline.storage.uris import locate
 loc = locate(sys.argv[1], StorageConfig(endpoint=sys.argv[3]), "output.path")
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
 try:
@@ -190,9 +190,9 @@ def test_of_jobs_racing_for_an_object_store_lease_exactly_one_wins(s3):
 
 
 def test_object_lease_refuses_a_live_holder_takes_over_a_dead_one_and_stops_commits_when_lost(s3):
-    from pipeline.object_lease import ObjectLease, check_free
-    from pipeline.object_output import ObjectOutputDir
-    from pipeline.output import OutputWriteError
+    from pipeline.storage.object_lease import ObjectLease, check_free
+    from pipeline.output.object_directory import ObjectOutputDir
+    from pipeline.output.directory import OutputWriteError
 
     loc = locate("s3://bkt/leased", s3["storage"], "output.path")
     first = ObjectLease(loc, "first")
@@ -223,15 +223,15 @@ def test_object_lease_refuses_a_live_holder_takes_over_a_dead_one_and_stops_comm
 # ---------------------------------------------------------------- the model cache
 
 def test_model_is_downloaded_once_per_node_reused_and_refetched_when_it_changes(s3, tmp_path):
-    from pipeline.model_cache import MANIFEST
-    from pipeline.model_files import resolve_model_dir
+    from pipeline.storage.model_cache import MANIFEST
+    from pipeline.storage.model_files import resolve_model_dir
 
     upload(s3["fs"], REPO / "models" / "tiny-orthrus-py", "bkt/models/tiny")
     storage = StorageConfig(endpoint=s3["endpoint"], model_cache_dir=str(tmp_path / "cache"))
     cfg = ModelConfig(path="s3://bkt/models/tiny")
     # Three processes at once (driver, preprocessing task, actor): one downloads, the others wait.
     script = ("import sys; from pipeline.config import ModelConfig, StorageConfig; "
-              "from pipeline.model_files import resolve_model_dir; "
+              "from pipeline.storage.model_files import resolve_model_dir; "
               f"print(resolve_model_dir(ModelConfig(path='s3://bkt/models/tiny'), "
               f"StorageConfig(endpoint='{s3['endpoint']}', model_cache_dir='{tmp_path / 'cache'}')))")
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -252,7 +252,7 @@ def test_model_is_downloaded_once_per_node_reused_and_refetched_when_it_changes(
 
 
 def test_a_truncated_weights_object_is_refused_before_any_download(s3):
-    from pipeline.model_cache import check_remote_weight_headers
+    from pipeline.storage.model_cache import check_remote_weight_headers
 
     upload(s3["fs"], REPO / "models" / "tiny-orthrus-py", "bkt/models/cut")
     data = (REPO / "models" / "tiny-orthrus-py" / "model.safetensors").read_bytes()
@@ -314,7 +314,7 @@ os._exit(9)                           # killed before the upload completes
 
 
 def test_an_upload_cut_short_never_becomes_a_part(s3):
-    from pipeline.object_output import ObjectOutputDir
+    from pipeline.output.object_directory import ObjectOutputDir
 
     proc = subprocess.run([sys.executable, "-c", _CUT_SHORT, s3["endpoint"]], cwd=REPO, capture_output=True,
                           text=True, timeout=120)

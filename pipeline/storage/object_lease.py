@@ -28,9 +28,9 @@ import time
 
 import pyarrow.fs as pafs
 
-from pipeline.lease import HEARTBEAT_S, STALE_AFTER_S, LeaseHeld, _alive, describe, held_by
-from pipeline.lease import Lease as _LocalLease
-from pipeline.storage import STORE_ERRORS, Location, access_error
+from pipeline.storage.lease import HEARTBEAT_S, STALE_AFTER_S, LeaseHeld, _alive, describe, held_by
+from pipeline.storage.lease import Lease as _LocalLease
+from pipeline.storage.uris import STORE_ERRORS, Location, access_error
 
 LEASES = "_leases"
 _ATTEMPTS = 20
@@ -101,7 +101,7 @@ def check_free(loc: Location) -> None:
 
 
 class ObjectLease(_LocalLease):
-    """The held lease on an object-store prefix (same interface as :class:`pipeline.lease.Lease`)."""
+    """The held lease on an object-store prefix (same interface as :class:`pipeline.storage.lease.Lease`)."""
 
     def __init__(self, loc: Location, run_id: str) -> None:  # noqa: D107 - see the module docstring
         self.loc, self.fs = loc, loc.fs

@@ -6,7 +6,7 @@ object or none (a multipart upload only becomes an object when it completes). So
 serialised in memory and written with one PUT at its final, unique key
 ``data/part-<run>-<seq>.parquet``; an upload interrupted by a crash never becomes an object, so it
 never counts as a part. ``_tmp/`` is not needed. Resume lists ``data/`` and reads the keys of the
-committed parts exactly as on a local disk (:class:`pipeline.output.CommittedParts`).
+committed parts exactly as on a local disk (:class:`pipeline.output.directory.CommittedParts`).
 
 A repair rewrites a part by a PUT over the same key (atomic too), and the commit order of parts is
 their name order (the run id starts with its start time), since an object's time changes when it is
@@ -22,14 +22,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.config import BehaviourConfig, ConfigError
-from pipeline.object_lease import LEASES, check_free
-from pipeline.output import (_OURS, DATA_DIR, LOGS_DIR, MARKER, RETRIED_DIR, CommittedParts,
+from pipeline.storage.object_lease import LEASES, check_free
+from pipeline.output.directory import (_OURS, DATA_DIR, LOGS_DIR, MARKER, RETRIED_DIR, CommittedParts,
                              OutputWriteError, new_run_id)
-from pipeline.storage import STORE_ERRORS, Location, access_error
+from pipeline.storage.uris import STORE_ERRORS, Location, access_error
 
 
 class ObjectOutputDir(CommittedParts):
-    """One job's output prefix on an object store (same interface as :class:`pipeline.output.OutputDir`)."""
+    """One job's output prefix on an object store (same interface as :class:`pipeline.output.directory.OutputDir`)."""
 
     def __init__(self, loc: Location) -> None:
         self.loc, self.fs = loc, loc.fs

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pyarrow as pa
 
 from pipeline.config import JobConfig
-from pipeline.faults import FaultInjector, from_environment
-from pipeline.inputs import InputPlan
-from pipeline.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.resources import Placement
-from pipeline.stage import GenerationStage, StagePlan
+from pipeline.actor.faults import FaultInjector, from_environment
+from pipeline.rows.inputs import InputPlan
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.run.resources import Placement
+from pipeline.actor.stage import GenerationStage, StagePlan
 
 
 def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, placement: Placement,
@@ -27,7 +27,7 @@ def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, plac
     faults = from_environment()
     FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
     # Hive partition columns (key=value directories below the inputs' common directory) are read as
-    # preflight found them (pipeline/inputs.py); none elsewhere, so a '=' higher up adds nothing.
+    # preflight found them (pipeline/rows/inputs.py); none elsewhere, so a '=' higher up adds nothing.
     partitioning = Partitioning("hive", base_dir=inputs.partition_base) if inputs.partition_columns else None
     ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
                                file_extensions=None, partitioning=partitioning,

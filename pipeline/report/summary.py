@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import acceptance_by_position, tokens_per_cycle
-from pipeline.audit import AUDIT_COLUMNS, audit_statistics
-from pipeline.output import SUMMARY_JSON, SUMMARY_PNG, OutputDir
-from pipeline.schema import key_strings
+from pipeline.actor.audit import AUDIT_COLUMNS, audit_statistics
+from pipeline.output.directory import SUMMARY_JSON, SUMMARY_PNG, OutputDir
+from pipeline.rows.schema import key_strings
 
 _STAT_COLUMNS = ["id", "sample_index", "finish_reason", "error", "num_prompt_tokens", "num_completion_tokens", "num_cycles",
                  "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle",

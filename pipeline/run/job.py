@@ -10,24 +10,24 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.config import ConfigError, JobConfig
-from pipeline.dataset import build_dataset
-from pipeline.fingerprint import check_unchanged, fingerprint
-from pipeline.inputs import InputPlan, inspect_inputs
-from pipeline.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
-from pipeline.lease import Lease
-from pipeline.model_cache import check_remote_weight_headers
-from pipeline.object_lease import ObjectLease
-from pipeline.object_output import ObjectOutputDir
-from pipeline.output import OutputDir, OutputWriteError
-from pipeline.progress import Progress
-from pipeline.prompts import uses_chat_template
-from pipeline.repair import RETRIED_DIR, dedupe, retry_errors
-from pipeline.resources import check_engine_placement, resolve_placement
-from pipeline.schema import output_schema, to_output_table
-from pipeline.storage import is_remote, local_path, locate
-from pipeline.stage import GenerationStage
-from pipeline.summary import render_table, summarize
-from pipeline.throughput import ThroughputTracker
+from pipeline.run.dataset import build_dataset
+from pipeline.run.fingerprint import check_unchanged, fingerprint
+from pipeline.rows.inputs import InputPlan, inspect_inputs
+from pipeline.storage.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
+from pipeline.storage.lease import Lease
+from pipeline.storage.model_cache import check_remote_weight_headers
+from pipeline.storage.object_lease import ObjectLease
+from pipeline.output.object_directory import ObjectOutputDir
+from pipeline.output.directory import OutputDir, OutputWriteError
+from pipeline.report.progress import Progress
+from pipeline.rows.prompts import uses_chat_template
+from pipeline.output.repair import RETRIED_DIR, dedupe, retry_errors
+from pipeline.run.resources import check_engine_placement, resolve_placement
+from pipeline.rows.schema import output_schema, to_output_table
+from pipeline.storage.uris import is_remote, local_path, locate
+from pipeline.actor.stage import GenerationStage
+from pipeline.report.summary import render_table, summarize
+from pipeline.report.throughput import ThroughputTracker
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 
 from pipeline.config import BehaviourConfig, ConfigError
-from pipeline.lease import LEASE, check_free
-from pipeline.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
+from pipeline.storage.lease import LEASE, check_free
+from pipeline.rows.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
 
 DATA_DIR, TMP_DIR, MARKER, LOGS_DIR, RETRIED_DIR = "data", "_tmp", "_job.json", "_logs", "retried"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"

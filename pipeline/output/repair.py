@@ -14,8 +14,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.output import RETRIED_DIR, CommittedParts
-from pipeline.schema import key_strings
+from pipeline.output.directory import RETRIED_DIR, CommittedParts
+from pipeline.rows.schema import key_strings
 
 __all__ = ["RETRIED_DIR", "dedupe", "retry_errors"]
 

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import tokens_per_cycle
-from pipeline.summary import column_sum
+from pipeline.report.summary import column_sum
 
 
 class ActorMetrics:

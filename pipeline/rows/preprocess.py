@@ -18,13 +18,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus import SamplingParams
-from pipeline import schema as S
-from pipeline.column_types import convert
+from pipeline.rows import schema as S
+from pipeline.rows.column_types import convert
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
-from pipeline.inputs import InputPlan
-from pipeline.model_files import load_tokenizer, resolve_model_dir
-from pipeline.prompts import InvalidText, RowError, format_prompt
-from pipeline.row_ids import derive_ids
+from pipeline.rows.inputs import InputPlan
+from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
+from pipeline.rows.prompts import InvalidText, RowError, format_prompt
+from pipeline.rows.row_ids import derive_ids
 
 
 @dataclass(frozen=True)

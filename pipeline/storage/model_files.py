@@ -7,8 +7,8 @@ import os
 import re
 
 from pipeline.config import ConfigError, ModelConfig, StorageConfig
-from pipeline.model_cache import download
-from pipeline.storage import info, is_remote, local_path, locate
+from pipeline.storage.model_cache import download
+from pipeline.storage.uris import info, is_remote, local_path, locate
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pyarrow as pa
 
-from pipeline import schema as S
+from pipeline.rows import schema as S
 
 
 class ThroughputTracker:

@@ -5,7 +5,7 @@ wrong type, a corrupt file or a duplicate id fails the job at once, naming the f
 Every file is read in full once (row group by row group, so memory stays bounded): a corrupt data
 page must stop the job here, not kill a read task hours into the run.
 
-Inputs are local paths or URIs of one filesystem (``pipeline/storage.py``); on an object store a
+Inputs are local paths or URIs of one filesystem (``pipeline/storage/uris.py``); on an object store a
 "directory" is a key prefix, and globs are matched against the listing below their fixed prefix.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.column_types import check_group, plain_type
+from pipeline.rows.column_types import check_group, plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
-from pipeline.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
+from pipeline.rows.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
                              RAY_ROW_HASH_COLUMN)
-from pipeline.storage import Location, glob_regex, info, is_remote, list_files, local_path, locate
+from pipeline.storage.uris import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
 _GLOB_CHARS = set("*?[")
 

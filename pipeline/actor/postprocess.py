@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from pipeline import schema as S
+from pipeline.rows import schema as S
 
 
 def detokenize_batch(batch: pa.Table, tokenizer) -> pa.Table:

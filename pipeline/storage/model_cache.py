@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from pipeline.config import ConfigError, StorageConfig
-from pipeline.storage import STORE_ERRORS, Location, access_error, list_files
+from pipeline.storage.uris import STORE_ERRORS, Location, access_error, list_files
 
 MANIFEST = ".orthrus-manifest.json"
 LOCK_TIMEOUT_S = 3600.0   # another process downloading a large checkpoint: wait, then say so

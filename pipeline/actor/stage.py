@@ -30,14 +30,14 @@ import pyarrow as pa
 import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
-from pipeline import schema as S
-from pipeline.audit import first_divergence, is_audited
+from pipeline.rows import schema as S
+from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineConfig, ModelConfig, SamplingConfig, StorageConfig
-from pipeline.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy
-from pipeline.faults import FAULT_ENV, FaultInjector
-from pipeline.metrics import ActorMetrics
-from pipeline.model_files import load_tokenizer, resolve_model_dir
-from pipeline.postprocess import detokenize_batch
+from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy
+from pipeline.actor.faults import FAULT_ENV, FaultInjector
+from pipeline.report.metrics import ActorMetrics
+from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
+from pipeline.actor.postprocess import detokenize_batch
 
 _DROP = [S.PROMPT_IDS, S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS, "error", "seed"]
 

@@ -1,0 +1,1 @@
+"""The output directory: parts, their footers, resume from them, and repairs."""

@@ -1,0 +1,1 @@
+"""What the job tells its user: summary, progress line, live metrics, throughput."""

@@ -1,0 +1,1 @@
+"""Rows before the engine: input discovery and reading, request building, error rows, the schema."""
