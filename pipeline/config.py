@@ -34,6 +34,11 @@ class InputConfig(_Section):
     prompt_column: str = Field("prompt", min_length=1, description="Column holding a plain-text prompt.")
     messages_column: str = Field("messages", min_length=1, description=(
         "Column holding chat messages (list of {role, content}, or the same as a JSON string)."))
+    verify: Literal["footers", "full"] = Field("footers", description=(
+        "'footers': the driver reads footers only (start-up grows with files, not rows); ids are checked "
+        "by Ray tasks before the first commit, and a file with a corrupt page stops the job (exit 2) when "
+        "its read task reaches it. 'full': every row group of every file is read by Ray tasks before any "
+        "actor loads the model, so such a file stops the job up front."))
 
 
 class OutputConfig(_Section):
@@ -42,6 +47,12 @@ class OutputConfig(_Section):
     path: str = Field(min_length=1, description=(
         "Output directory or object-store prefix (s3://bucket/prefix, ...): Parquet parts under data/, "
         "summary.json and summary.png at the top. Must not be inside an input directory."))
+    part_bytes: int = Field(128 * 1024 * 1024, ge=1, description=(
+        "Commit the open part once it holds this many bytes (Arrow size). Parts are sized for storage, "
+        "not for the engine: many engine batches stream into one part."))
+    part_seconds: float = Field(60.0, gt=0.0, allow_inf_nan=False, description=(
+        "Commit the open part once it has been open this long, whatever its size: the most work a "
+        "kill can lose (resume regenerates it)."))
 
 
 class ModelConfig(_Section):

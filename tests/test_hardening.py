@@ -145,16 +145,22 @@ def _plant(root, **info) -> None:
 
 
 def test_a_live_lease_refuses_a_second_job_naming_it(tmp_path):
-    from pipeline.storage.lease import Lease, LeaseHeld, check_free
+    from pipeline.config import StorageConfig
+    from pipeline.storage.lease import LeaseHeld, check_free, take_lease
+    from pipeline.storage.uris import locate
 
-    with Lease(tmp_path / "out", "run-1") as lease:
+    lease = take_lease(tmp_path / "out", "run-1")
+    assert not (tmp_path / "out").exists()                           # taken on entering the block, not before
+    with lease:
         assert (tmp_path / "out" / "_lease.json").exists() and not lease.lost
         with pytest.raises(LeaseHeld, match=r"in use by another job: run run-1 \(pid \d+ on "):
-            Lease(tmp_path / "out", "run-2")
+            take_lease(tmp_path / "out", "run-2").acquire()
         with pytest.raises(LeaseHeld, match="run run-1"):
             check_free(tmp_path / "out")
+        with pytest.raises(LeaseHeld, match="run run-1"):             # a local Location: the same lease file
+            check_free(locate(str(tmp_path / "out"), StorageConfig(), "output.path"))
     assert not (tmp_path / "out" / "_lease.json").exists()          # released
-    Lease(tmp_path / "out", "run-3").release()                       # and free again
+    take_lease(tmp_path / "out", "run-3").acquire().release()        # and free again
 
 
 @pytest.mark.parametrize("holder, stale", [
@@ -165,21 +171,22 @@ def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, hol
     import socket
     import time
 
-    from pipeline.storage.lease import Lease, LeaseHeld, _pid_start
+    from pipeline.storage.lease import LeaseHeld, take_lease
+    from pipeline.storage.lease_backends import pid_start
 
     here = socket.gethostname()
     info = {"dead pid on this host": dict(host=here, pid=_dead_pid(), heartbeat=time.time()),
             "reused pid on this host": dict(host=here, pid=os.getpid(), pid_start="1", heartbeat=time.time()),
-            "live pid on this host": dict(host=here, pid=os.getpid(), pid_start=_pid_start(os.getpid()),
+            "live pid on this host": dict(host=here, pid=os.getpid(), pid_start=pid_start(os.getpid()),
                                           heartbeat=time.time()),
             "other host, old heartbeat": dict(host="elsewhere", pid=1, heartbeat=time.time() - 3600),
             "other host, fresh heartbeat": dict(host="elsewhere", pid=1, heartbeat=time.time())}[holder]
     _plant(tmp_path / "out", **info)
     if not stale:
         with pytest.raises(LeaseHeld, match="run r-old"):
-            Lease(tmp_path / "out", "new")
+            take_lease(tmp_path / "out", "new").acquire()
         return
-    with Lease(tmp_path / "out", "new"):
+    with take_lease(tmp_path / "out", "new"):
         assert "took over the stale lease of run r-old" in capsys.readouterr().out
     assert not list((tmp_path / "out").glob("_lease.json*"))
 
@@ -187,10 +194,10 @@ def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, hol
 _RACER = """
 import sys, time
 from pathlib import Path
-from pipeline.storage.lease import Lease, LeaseHeld
+from pipeline.storage.lease import LeaseHeld, take_lease
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
 try:
-    lease = Lease(Path(sys.argv[1]), "racer")
+    lease = take_lease(Path(sys.argv[1]), "racer").acquire()
 except LeaseHeld:
     print("refused", flush=True)
     sys.exit(0)
@@ -228,7 +235,7 @@ def test_a_lost_lease_stops_commits(tmp_path, monkeypatch):
 
     monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
     out = OutputDir(str(tmp_path / "out"))
-    out.lease = L.Lease(out.root, out.run_id)
+    out.lease = L.take_lease(out.root, out.run_id).acquire()
     out.prepare(BehaviourConfig(), {})
     out.commit(pa.table({"id": ["a"], "sample_index": [0]}))
     info = json.loads((out.root / "_lease.json").read_text())
@@ -320,7 +327,7 @@ def test_an_unreadable_lease_is_rewritten_by_its_holder_not_given_up(tmp_path, m
     from pipeline.storage import lease as L
 
     monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
-    with L.Lease(tmp_path / "out", "run-1") as lease:
+    with L.take_lease(tmp_path / "out", "run-1") as lease:
         (tmp_path / "out" / "_lease.json").write_text("{ half a write")
         deadline = time.time() + 10
         while time.time() < deadline:

@@ -162,13 +162,12 @@ def test_object_output_commits_reads_back_and_refuses_like_a_local_dir(s3):
 _RACER = """
 import sys, time
 from pipeline.config import StorageConfig
-from pipeline.storage.lease import LeaseHeld
-from pipeline.storage.object_lease import ObjectLease
+from pipeline.storage.lease import LeaseHeld, take_lease
 from pipeline.storage.uris import locate
 loc = locate(sys.argv[1], StorageConfig(endpoint=sys.argv[3]), "output.path")
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
 try:
-    lease = ObjectLease(loc, "racer")
+    lease = take_lease(loc, "racer").acquire()
 except LeaseHeld:
     print("refused", flush=True)
     sys.exit(0)
@@ -190,15 +189,18 @@ def test_of_jobs_racing_for_an_object_store_lease_exactly_one_wins(s3):
 
 
 def test_object_lease_refuses_a_live_holder_takes_over_a_dead_one_and_stops_commits_when_lost(s3):
-    from pipeline.storage.object_lease import ObjectLease, check_free
+    from pipeline.storage.lease import check_free, take_lease
     from pipeline.output.object_directory import ObjectOutputDir
     from pipeline.output.directory import OutputWriteError
 
     loc = locate("s3://bkt/leased", s3["storage"], "output.path")
-    first = ObjectLease(loc, "first")
-    with pytest.raises(LeaseHeld, match="in use by another job: run first"):
-        ObjectLease(loc, "second")
-    first.release()
+    first = take_lease(loc, "first")
+    assert not s3["fs"].get_file_info(pafs.FileSelector("bkt/leased", allow_not_found=True))   # not taken yet
+    with first:
+        with pytest.raises(LeaseHeld, match="in use by another job: run first"):
+            take_lease(loc, "second").acquire()
+        with pytest.raises(LeaseHeld, match="in use by another job: run first"):
+            check_free(loc)
     check_free(loc)
     # A holder killed without releasing: same host, its pid gone -> taken over at once.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -208,7 +210,7 @@ def test_object_lease_refuses_a_live_holder_takes_over_a_dead_one_and_stops_comm
     with s3["fs"].open_output_stream("bkt/leased/_leases/t.json") as f:
         f.write(json.dumps(stale).encode())
     out = ObjectOutputDir(loc)
-    out.lease = ObjectLease(loc, out.run_id)
+    out.lease = take_lease(loc, out.run_id).acquire()
     out.prepare(BehaviourConfig(), {})
     out.commit(pa.table({"id": ["a"], "sample_index": [0]}))
     # Another live holder appears (a mistaken takeover elsewhere): this one commits nothing more.

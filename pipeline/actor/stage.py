@@ -265,17 +265,16 @@ class GenerationStage:
             "model": (pa.string(), [self.plan.model.path] * n),
             S.TEXT_IDS: (pa.list_(pa.int32()), [self._text_ids(r) if r else None for r in ok]),
             S.STOP_TEXT: (pa.string(), [r.text if r else None for r in ok]),
-            S.OCCUPANCY: (pa.list_(pa.int64()), [_flat(occupancy)] * n),
-            S.ACTOR: (pa.string(), [self.actor] * n),
-            S.GPU_IDS: (pa.string(), [self.gpu_ids] * n),
-            S.CALL_ID: (pa.string(), [uuid.uuid4().hex] * n),
-            S.CALL_SECONDS: (pa.float64(), [call_seconds] * n),
-            S.CALL_STARTED: (pa.float64(), [started] * n),
         }
         table = batch.drop_columns(_DROP)
         for name, (typ, values) in cols.items():
             table = table.append_column(pa.field(name, typ), pa.array(values, typ))
-        return table
+        record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
+                  "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
+                  "occupancy": _flat(occupancy)}
+        # One record per batch, on its first row: the driver reads the few non-null ones.
+        return table.append_column(pa.field(S.BATCH, S.BATCH_RECORD),
+                                   pa.array(([record] + [None] * (n - 1)) if n else [], S.BATCH_RECORD))
 
     def _log(self, rows: int, tokens: int, seconds: float, engine_seconds: float) -> None:
         """Per-actor throughput, visible in the driver's log while the job runs (the actor total is

@@ -1,48 +1,46 @@
-"""The output directory and its exactly-once commit protocol.
+"""The output directory and its exactly-once commit protocol, over one of two part stores.
 
 Layout::
 
     <output>/data/part-<run>-<seq>.parquet   committed rows (read the output as this directory)
-    <output>/_tmp/                          files being written; never output, wiped at start
+    <output>/_tmp/                          files being written (local stores); never output, wiped at start
     <output>/_job.json                      marker: this is an Orthrus output dir (+ current run)
-    <output>/_lease.json                    the running job's exclusive lease (``lease.py``)
+    <output>/_lease.json, _leases/          the running job's exclusive lease (``storage/lease.py``)
     <output>/_logs/                         crash reports (traceback of an unexpected failure)
     <output>/retried/                       error rows that --retry-errors took out of data/ (``repair.py``)
     <output>/summary.json, summary.png
 
-Exactly once: the driver is the only writer. Each batch Ray Data hands it is written to ``_tmp``,
-fsynced, then renamed into ``data/`` (``os.replace`` is atomic), so a part file is either complete
-or absent. On resume the (id, sample_index) keys of every committed part are the finished set and
-the preprocessing drops them before tokenization. A run killed at any point leaves only complete
-parts; the rows it had in flight are simply not in the finished set and are generated again.
+Exactly once: the driver is the only writer, and a part appears whole or not at all (``store.py``:
+a rename locally, one PUT on an object store). Each part's footer says which input rows it holds
+(``sources.py``) and what they add up to (``stats.py``), so resume, the duplicate check and the
+summary read footers, never rows. A run killed at any point leaves only complete parts; the rows it
+had in flight are in no footer and are generated again.
 
-Object stores (``s3://``...) have no rename: ``object_output.py`` commits a part as one complete
-object PUT at its final key instead; both classes share the reading side (:class:`CommittedParts`).
-
-Write failures (disk full, permissions, a read-only mount): preflight proves the directory is
-writable before any model loads; a write that fails later removes its temp file and raises
-:class:`OutputWriteError`, so the directory still holds only complete parts and ``--resume``
-continues once the cause is fixed. Every path written is ``<output>/<fixed name>`` or a part name
-made of the run id and a counter; nothing taken from the data ever becomes a path.
+Write failures (disk full, permissions, a read-only mount, a denied PUT): preflight proves the
+directory writable before any model loads; a write that fails later leaves nothing partial and
+raises :class:`OutputWriteError`, so ``--resume`` continues once the cause is fixed. Every path
+written is ``<output>/<fixed name>`` or a part name made of the run id and a counter; nothing taken
+from the data ever becomes a path.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 import uuid
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 
 from pipeline.config import BehaviourConfig, ConfigError
-from pipeline.storage.lease import LEASE, check_free
-from pipeline.rows.schema import KEY_COLUMNS, OUTPUT_FIELDS, key_strings
+from pipeline.output import stats as St
+from pipeline.output.sources import SOURCES_KEY, DoneSet, PartSources
+from pipeline.output.store import LocalStore, ObjectStore
+from pipeline.rows.schema import OUTPUT_FIELDS
+from pipeline.storage.lease import LEASE, LEASES, check_free
+from pipeline.storage.uris import STORE_ERRORS, is_remote, local_path, locate
 
 DATA_DIR, TMP_DIR, MARKER, LOGS_DIR, RETRIED_DIR = "data", "_tmp", "_job.json", "_logs", "retried"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
@@ -58,60 +56,91 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
+@dataclass(frozen=True)
+class Footer:
+    """What one committed part's footer says."""
+
+    path: str
+    sources: PartSources | None     # None: written before footers recorded sources
+    stats: dict | None
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def read_footer(path: str, fs) -> Footer:
+    meta = pq.read_metadata(path, filesystem=fs).metadata or {}
+    sources = PartSources.decode(meta[SOURCES_KEY]) if SOURCES_KEY in meta else None
+    return Footer(path, sources, St.decode(meta[St.STATS_KEY]) if St.STATS_KEY in meta else None)
 
 
-class CommittedParts:
-    """Reading the committed rows back (resume, repairs, summary): the part listing is the subclass's."""
+class OutputDir:
+    """One job's output directory on a local filesystem or an object store."""
 
-    fs = None   # pyarrow filesystem of the part paths; None: local
+    def __init__(self, path: str, storage=None) -> None:
+        from pipeline.config import StorageConfig
 
-    def part_files(self) -> list:
-        raise NotImplementedError
+        remote = is_remote(path)
+        self.store = (ObjectStore(locate(path, storage or StorageConfig(), "output.path")) if remote
+                      else LocalStore(local_path(path)))
+        self.root, self.fs = self.store.root, self.store.fs
+        self.run_id = new_run_id()
+        self._seq = 0
+        self.committed = 0  # part files this run committed
+        self.lease = None   # the job's lease (storage/lease.py) once taken; a lost lease stops commits
 
-    def read_part(self, part) -> pa.Table:
-        """One committed part."""
-        return pq.read_table(str(part), filesystem=self.fs)
+    def __getstate__(self) -> dict:
+        """Picklable for repair tasks: the lease (and its heartbeat thread) stays with the driver."""
+        return {**self.__dict__, "lease": None}
 
-    def read(self, columns: list[str] | None = None) -> pa.Table:
-        """All committed rows (optionally some columns only)."""
-        files = [str(p) for p in self.part_files()]
-        if not files:
-            empty = pa.schema(OUTPUT_FIELDS).empty_table()
-            return empty.select(columns) if columns else empty
-        # Unified over every part: parts written before a column was added read it as null.
-        schema = pa.unify_schemas([pq.read_schema(f, filesystem=self.fs) for f in files],
-                                  promote_options="permissive")
-        present = [c for c in columns if c in schema.names] if columns else None
-        table = pds.dataset(files, format="parquet", schema=schema, filesystem=self.fs).to_table(columns=present)
-        for name in columns or []:
-            if name not in table.column_names:
-                typ = next((f.type for f in OUTPUT_FIELDS if f.name == name), pa.null())
-                table = table.append_column(pa.field(name, typ), pa.nulls(table.num_rows, typ))
-        return table.select(columns) if columns else table
+    @property
+    def where(self):
+        """What the lease is taken on: the local root, or the object-store location."""
+        return self.store.root if self.store.local else self.store.loc
 
-    def finished_keys(self) -> pa.Array:
-        """Keys (id, sample_index) of every committed row: the resume skip set."""
-        t = self.read(list(KEY_COLUMNS))
-        return key_strings(t["id"], t["sample_index"]).combine_chunks() if t.num_rows else pa.array([], pa.string())
+    @property
+    def tmp(self):
+        return self.store.tmp
 
-    def duplicates(self) -> tuple[int, str | None]:
-        """Rows whose key appears earlier too, and one such id (0, None for an exactly-once output)."""
-        keys = self.finished_keys()
-        counts = pc.value_counts(keys) if len(keys) else None
-        if counts is None or len(counts) == len(keys):
-            return 0, None
-        dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")[0].as_py()
-        return len(keys) - len(counts), dup.split("\x1f")[0]
+    def failed(self, what: str, error: BaseException) -> OutputWriteError:
+        """Describe a failed write (nothing partial was left by it)."""
+        text = str(error).strip()
+        reason = getattr(error, "strerror", None) or (text.splitlines()[0] if text else type(error).__name__)
+        fix = "space, permissions" if self.store.local else "access, quota"
+        return OutputWriteError(f"cannot write {what} in output.path {self.root}: {reason} ({type(error).__name__}). "
+                                f"The {self.committed} part file(s) this run committed are complete and nothing "
+                                f"partial was left; fix the cause ({fix}) and rerun with --resume")
+
+    def check_lease(self) -> None:
+        """Raise if another job holds the lease now (checked once per part commit)."""
+        if self.lease is not None and not self.lease.verify():
+            raise OutputWriteError(f"lost the lease on output.path {self.root} (another job holds it now); "
+                                   f"stopped committing. The {self.committed} part file(s) this run committed are "
+                                   "complete")
+
+    # -- preflight ---------------------------------------------------------------------------------
+
+    def check(self, behaviour: BehaviourConfig, input_roots: tuple[str, ...], input_files: tuple[str, ...],
+              model: str, input_scheme: str = "file") -> None:
+        """Refuse unsafe or unwritable layouts before anything is written (leaves no trace)."""
+        same = input_scheme == ("file" if self.store.local else self.store.loc.scheme)
+        mine = str(self.store.root) if self.store.local else self.store.loc.path
+        inside = lambda p, root: p == root or p.startswith(root.rstrip("/") + "/")  # noqa: E731
+        for root in input_roots if same else ():
+            if inside(mine, root):
+                raise ConfigError(f"output.path {self.root} is inside the input {root}; a rerun would read "
+                                  "its own output. Choose a directory outside the inputs")
+        bad = [f for f in input_files if same and inside(f, mine)]
+        if bad:
+            raise ConfigError(f"input file {bad[0]} is inside output.path {self.root}")
+        self.store.refuse_unsafe(_OURS | {LEASE})
+        try:
+            top = self.store.top()
+            check_free(self.where)
+        except STORE_ERRORS as e:
+            raise ConfigError(f"output.path {self.root} cannot be listed: {e}") from None
+        content = [n for n in top if not n.startswith(LEASE) and n != LEASES]
+        if content:
+            foreign = [n for n in content if n not in _OURS]
+            self._check_existing(behaviour, foreign, MARKER in top)
+        self.store.probe()
 
     def _check_existing(self, behaviour: BehaviourConfig, foreign: list[str], has_marker: bool) -> None:
         """A non-empty directory: allowed only as our own output, with resume or overwrite."""
@@ -126,201 +155,156 @@ class CommittedParts:
             count, example = self.duplicates()
             if count:
                 raise ConfigError(f"output.path {self.root} holds {count} duplicate (id, sample_index) row(s), e.g. "
-                                  f"{example!r} (two jobs once wrote to it at the same time); rerun with --dedupe to "
+                                  f"{example} (two jobs once wrote to it at the same time); rerun with --dedupe to "
                                   "keep the first committed copy of each, then go on")
 
-    def _lost_lease(self) -> OutputWriteError | None:
-        if self.lease is not None and not self.lease.verify():
-            return OutputWriteError(f"lost the lease on output.path {self.root} (another job holds it now); "
-                                    f"stopped committing. The {self.committed} part file(s) this run committed are "
-                                    "complete")
-        return None
-
-
-class OutputDir(CommittedParts):
-    """One job's output directory (local or shared filesystem path)."""
-
-    def __init__(self, path: str) -> None:
-        self.root = Path(os.path.realpath(path))  # real paths: a symlink cannot hide output-in-input
-        self.data, self.tmp, self.marker = self.root / DATA_DIR, self.root / TMP_DIR, self.root / MARKER
-        self.run_id = new_run_id()
-        self._seq = 0
-        self.committed = 0  # part files this run committed
-        self.lease = None   # the job's Lease (lease.py) once taken; a lost lease stops commits
-
-    def _failed(self, what: str, error: Exception, tmp: Path | None) -> OutputWriteError:
-        """Remove the half-written temp file and describe the failure."""
-        if tmp is not None:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass  # the directory itself may have become unwritable; _tmp is wiped at start anyway
-        reason = getattr(error, "strerror", None) or str(error)
-        return OutputWriteError(f"cannot write {what} in output.path {self.root}: {reason} ({type(error).__name__}). "
-                                f"The {self.committed} part file(s) this run committed are complete and nothing "
-                                "partial was left; fix the cause (space, permissions) and rerun with --resume")
-
-    def check(self, behaviour: BehaviourConfig, input_roots: tuple[str, ...], input_files: tuple[str, ...],
-              model: str, input_scheme: str = "file") -> None:
-        """Refuse unsafe or unwritable layouts before anything is written (leaves no trace)."""
-        for root in map(Path, input_roots if input_scheme == "file" else ()):
-            if _inside(self.root, root):
-                raise ConfigError(f"output.path {self.root} is inside the input {root}; a rerun would read "
-                                  "its own output. Choose a directory outside the inputs")
-        inside = [f for f in input_files if input_scheme == "file" and _inside(Path(f), self.root)]
-        if inside:
-            raise ConfigError(f"input file {inside[0]} is inside output.path {self.root}")
-        if self.root.exists() and not self.root.is_dir():
-            raise ConfigError(f"output.path {self.root} exists and is not a directory")
-        links = [n for n in sorted(_OURS | {LEASE}) if (self.root / n).is_symlink()]
-        if links:  # a planted link would send writes (or an overwrite's deletes) outside the directory
-            raise ConfigError(f"output.path {self.root}: {links[0]} is a symbolic link; refusing to write through it")
-        if self.root.is_dir():
-            check_free(self.root)
-        if self.has_content():
-            foreign = sorted(p.name for p in self.root.iterdir()
-                             if p.name not in _OURS and not p.name.startswith(LEASE))
-            self._check_existing(behaviour, foreign, self.marker.exists())
-        self._probe()
-
-    def _probe(self) -> None:
-        """Create the directory and write, fsync and delete a file in it; undo what it created.
-
-        Permission bits alone say nothing for root or on read-only mounts: only a real write tells,
-        and it must tell now, before the model loads, not at the first commit hours later.
-        """
-        missing, p = [], self.root
-        while not p.exists() and p != p.parent:
-            missing.append(p)
-            p = p.parent
-        created: list[Path] = []
-        try:
-            for d in reversed(missing):
-                d.mkdir()
-                created.append(d)
-            fd, probe = tempfile.mkstemp(prefix=".orthrus-probe-", dir=self.root)
-            try:
-                os.write(fd, b"\0" * 4096)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-                os.unlink(probe)
-        except OSError as e:
-            raise ConfigError(f"output.path {self.root} is not writable: {e.strerror or e}"
-                              f"{f' ({e.filename})' if e.filename else ''}") from None
-        finally:
-            for d in reversed(created):  # preflight leaves no trace
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
-
-    def has_content(self) -> bool:
-        """Whether the directory exists and holds more than a lease."""
-        return self.root.is_dir() and any(not p.name.startswith(LEASE) for p in self.root.iterdir())
+    # -- top-level files ---------------------------------------------------------------------------
 
     def prepare(self, behaviour: BehaviourConfig, meta: dict) -> None:
         """Create (or clear, with overwrite) the directory, wipe stale temp files, write the marker."""
-        if behaviour.overwrite and self.has_content():
-            for name in _OURS:
-                p = self.root / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)  # leftovers of a killed run: never committed
         try:
-            self.data.mkdir(parents=True, exist_ok=True)
-            self.tmp.mkdir(exist_ok=True)
-        except OSError as e:
-            raise self._failed("its directories", e, None) from e
+            if behaviour.overwrite:
+                for name in self.store.top():
+                    if name in _OURS:
+                        self.store.delete(self.store.path(name))
+            self.store.make_dirs(DATA_DIR, TMP_DIR)
+        except STORE_ERRORS as e:
+            raise self.failed("its directories", e) from e
         self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
 
     @property
     def marker_exists(self) -> bool:
-        return self.marker.exists()
+        return self.store.is_file(self.store.path(MARKER))
 
     def recorded(self) -> dict:
         """The marker of the run that last wrote here ({} if none or unreadable)."""
         try:
-            return json.loads(self.marker.read_text())
-        except (OSError, ValueError):
+            return json.loads(self.store.read_bytes(self.store.path(MARKER)))
+        except (*STORE_ERRORS, ValueError):
             return {}
 
-    def write_atomic(self, name: str, payload: bytes) -> Path:
+    def write_atomic(self, name: str, payload: bytes) -> str:
         """Write a top-level file so readers see the old or the new version, never half of one."""
-        dest = self.root / name
-        tmp = self.tmp / f"{name}.{uuid.uuid4().hex}"
         try:
-            tmp.write_bytes(payload)
-            os.replace(tmp, dest)
-        except OSError as e:
-            raise self._failed(name, e, tmp) from e
-        return dest
-
-    def part_files(self) -> list[Path]:
-        """Committed part files, sorted."""
-        return sorted(self.data.glob("part-*.parquet")) if self.data.is_dir() else []
-
-    def commit(self, table: pa.Table) -> Path:
-        """Atomically add one part file (temp file, fsync, rename)."""
-        if (lost := self._lost_lease()) is not None:
-            raise lost
-        name = f"part-{self.run_id}-{self._seq:06d}.parquet"
-        self._seq += 1
-        self._write_part(self.data / name, table)
-        self.committed += 1
-        self._fsync_dir_of(self.data / name)
-        return self.data / name
-
-    def _write_part(self, dest: Path, table: pa.Table, times_ns: tuple[int, int] | None = None) -> None:
-        """Write ``table`` to ``dest`` whole or not at all (temp file, fsync, rename); ``times_ns``:
-        its (atime, mtime), set before the rename so that no crash leaves it with another."""
-        tmp = self.tmp / (dest.name + f".{uuid.uuid4().hex[:8]}.inprogress")
-        try:
-            with open(tmp, "wb") as f:
-                pq.write_table(table, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if times_ns is not None:
-                os.utime(tmp, ns=times_ns)
-            os.replace(tmp, dest)
-        except (OSError, pa.ArrowException) as e:
-            raise self._failed(f"part file {dest.name}", e, tmp) from e
-
-    def _fsync_dir_of(self, path: Path) -> None:
-        try:
-            fsync_dir(path.parent)  # the rename (or unlink) itself survives a machine crash
-        except OSError as e:  # the part is complete and in place; only its durability is in doubt
-            raise self._failed(f"(fsync) part file {path.name}", e, None) from e
-
-    def replace_part(self, part: Path, keep: pa.Table) -> None:
-        """Rewrite a committed part with only ``keep``'s rows, in one atomic step (a rename over it;
-        deleted if ``keep`` is empty). It keeps its name and commit time, so commit order stays."""
-        if (lost := self._lost_lease()) is not None:
-            raise lost
-        try:
-            committed = part.stat()
-            if not keep.num_rows:
-                part.unlink()
-        except OSError as e:
-            raise self._failed(f"part file {part.name}", e, None) from e
-        if keep.num_rows:
-            self._write_part(part, keep, (committed.st_atime_ns, committed.st_mtime_ns))
-        self._fsync_dir_of(part)
-
-    def commit_order(self) -> list[Path]:
-        """Committed parts, oldest commit first."""
-        return sorted(self.part_files(), key=lambda p: (p.stat().st_mtime_ns, p.name))
-
-    def archive(self, name: str, table: pa.Table) -> str:
-        """Write ``table`` as ``retried/<name>`` (whole, then renamed) → where it went."""
-        (self.root / RETRIED_DIR).mkdir(exist_ok=True)
-        dest = self.root / RETRIED_DIR / name
-        self._write_part(dest, table)
-        self._fsync_dir_of(dest)
-        return str(dest)
+            self.store.put(self.store.path(name), payload)
+        except STORE_ERRORS as e:
+            raise self.failed(name, e) from e
+        return self.store.path(name)
 
     def write_log(self, name: str, text: str) -> str:
         """Write ``_logs/<name>`` → where it went (raises OSError if it cannot)."""
-        folder = self.root / LOGS_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(text)
-        return str(folder / name)
+        if self.store.local:
+            (self.store.root / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        self.store.put(self.store.path(LOGS_DIR, name), text.encode())
+        return self.store.path(LOGS_DIR, name)
+
+    # -- parts -------------------------------------------------------------------------------------
+
+    def part_files(self) -> list[str]:
+        """Committed part files, sorted by name."""
+        return self.store.list_files(DATA_DIR, "part-", ".parquet")
+
+    def commit_order(self) -> list[str]:
+        """Committed parts, oldest commit first."""
+        return sorted(self.part_files(), key=self.store.commit_time)
+
+    def new_part_path(self) -> str:
+        name = f"part-{self.run_id}-{self._seq:06d}.parquet"
+        self._seq += 1
+        return self.store.path(DATA_DIR, name)
+
+    def footers(self, threads: int = 32) -> list[Footer]:
+        """Every committed part's footer, in commit order, read in parallel (bounded by parts)."""
+        parts = self.commit_order()
+        if len(parts) <= 1:
+            return [read_footer(p, self.fs) for p in parts]
+        with ThreadPoolExecutor(max_workers=min(threads, len(parts))) as pool:
+            return list(pool.map(lambda p: read_footer(p, self.fs), parts))
+
+    def done(self) -> tuple[DoneSet, dict, list[Footer]]:
+        """What the committed parts hold: their coordinates, merged aggregates, and the footers."""
+        footers = self.footers()
+        legacy = [f.path for f in footers if f.sources is None]
+        if legacy:
+            raise ConfigError(f"output.path {self.root}: part {legacy[0]} has no source record in its footer "
+                              "(written by an older version of this job); resume it with that version or start "
+                              "a new output")
+        done, total = DoneSet(), St.empty()
+        for f in footers:
+            done.add(f.sources)
+            total = St.merge(total, f.stats or St.empty())
+        return done, total, footers
+
+    def duplicates(self) -> tuple[int, str | None]:
+        """Rows committed more than once, and where one is (0, None for an exactly-once output)."""
+        done, _, footers = self.done()
+        merged, twice = done.merged()
+        if not twice:
+            return 0, None
+        return twice, _example_duplicate(footers)
+
+    def commit(self, table: pa.Table, sources: PartSources, stats: dict | None = None,
+               dest: str | None = None, times_ns=None) -> str:
+        """Write one whole part (a repair's rewrite, or a small commit) → its path."""
+        from pipeline.output.parts import write_part
+
+        self.check_lease()
+        dest = dest or self.new_part_path()
+        write_part(self, dest, [table], table.schema, sources, stats or St.of_table(table), times_ns)
+        return dest
+
+    def read_part(self, part: str) -> pa.Table:
+        return pq.read_table(part, filesystem=self.fs)
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """All committed rows (tests and tools; the job itself never reads rows back)."""
+        files = self.part_files()
+        if not files:
+            empty = pa.schema(OUTPUT_FIELDS).empty_table()
+            return empty.select(columns) if columns else empty
+        schema = pa.unify_schemas([pq.read_schema(f, filesystem=self.fs) for f in files],
+                                  promote_options="permissive")
+        present = [c for c in columns if c in schema.names] if columns else None
+        return pds.dataset(files, format="parquet", schema=schema, filesystem=self.fs).to_table(columns=present)
+
+
+def _example_duplicate(footers: list[Footer]) -> str:
+    """'row R of <file> (sample s)' for one coordinate two parts (or one part twice) hold."""
+    seen: dict[tuple[str, int], list] = {}
+    for f in footers:
+        for path, ranges in f.sources.flat_ranges().items():
+            for a, b in ranges.tolist():
+                for c, d in seen.get((path, f.sources.n), []):
+                    lo = max(a, c)
+                    if lo < min(b, d):
+                        return f"row {lo // f.sources.n} of {path} (sample {lo % f.sources.n})"
+                seen.setdefault((path, f.sources.n), []).append((a, b))
+    return "unknown"
+
+
+def replace_part(out: OutputDir, part: str, keep: pa.Table, sources: PartSources) -> None:
+    """Rewrite a committed part with only ``keep``'s rows (and their ``sources``) in one atomic step
+    (a rename over it, or one PUT; deleted if ``keep`` is empty). It keeps its name and, locally,
+    its commit time, so commit order stays."""
+    try:
+        times = out.store.times(part)
+        if not keep.num_rows:
+            out.store.delete(part)
+            return
+    except STORE_ERRORS as e:
+        raise out.failed(f"part file {part.rsplit('/', 1)[-1]}", e) from e
+    out.commit(keep, sources, dest=part, times_ns=times)
+
+
+def archive(out: OutputDir, name: str, table: pa.Table) -> str:
+    """Write ``table`` as ``retried/<name>`` (whole, or not at all) → where it went."""
+    if out.store.local:
+        (out.store.root / RETRIED_DIR).mkdir(exist_ok=True)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    dest = out.store.path(RETRIED_DIR, name)
+    try:
+        out.store.put(dest, sink.getvalue().to_pybytes())
+    except STORE_ERRORS as e:
+        raise out.failed(f"{RETRIED_DIR}/{name}", e) from e
+    return dest

@@ -1,7 +1,8 @@
 """Run summary: ``summary.json``, ``summary.png`` and a short printed table.
 
 Row and speculation statistics cover the whole output directory (every run that resumed into
-it); throughput covers this run only. Metric names follow DESIGN §2.2: *tokens per cycle* =
+it), merged from the parts' footers (``output/stats.py``), so the summary costs the same at a
+thousand rows and at a billion; throughput covers this run only. Metric names follow DESIGN §2.2: *tokens per cycle* =
 accepted drafts + 1 per cycle; *TPF* (tokens per forward pass) = tokens per cycle / 2.
 """
 from __future__ import annotations
@@ -11,19 +12,14 @@ import io
 import json
 import platform
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import acceptance_by_position, tokens_per_cycle
-from pipeline.actor.audit import AUDIT_COLUMNS, audit_statistics
+from pipeline.output import stats as St
 from pipeline.output.directory import SUMMARY_JSON, SUMMARY_PNG, OutputDir
 from pipeline.rows.schema import key_strings
 
-_STAT_COLUMNS = ["id", "sample_index", "finish_reason", "error", "num_prompt_tokens", "num_completion_tokens", "num_cycles",
-                 "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle",
-                 "accept_length_histogram", "num_tokens_after_stop", "time_waiting_s", "time_in_engine_s",
-                 *AUDIT_COLUMNS]
 _PACKAGES = ("orthrus-batch", "torch", "transformers", "ray", "pyarrow", "pydantic", "numpy")
 
 
@@ -43,87 +39,72 @@ def column_sum(col: pa.ChunkedArray) -> int:
     return int(pc.sum(col).as_py() or 0)
 
 
-def _histogram(col: pa.ChunkedArray) -> list[int]:
-    """Element-wise sum of the per-row accept-length histograms (padded to the longest)."""
-    rows = [h for h in col.to_pylist() if h]
-    width = max((len(h) for h in rows), default=0)
-    total = np.zeros(width, dtype=np.int64)
-    for h in rows:
-        total[: len(h)] += h
-    return total.tolist()
-
-
-def _duplicates(table: pa.Table) -> int:
-    """Rows whose (id, sample_index) appears more than once (0 for an exactly-once output)."""
-    if not table.num_rows or "sample_index" not in table.column_names:
-        return 0
-    keys = key_strings(table["id"], table["sample_index"])
-    return table.num_rows - pc.count_distinct(keys).as_py()
-
-
-def _tokens_per_cycle(ok: pa.Table) -> dict[str, float | None]:
-    spec = ok.filter(pc.greater(ok["num_cycles"], 0))
-    if not spec.num_rows:
-        return {"mean_per_row": None, "token_weighted": None, "pooled": None, "tpf_pooled": None}
-    tpc = spec["tokens_per_cycle"].to_numpy()
-    weights = spec["num_completion_tokens"].to_numpy().astype(float)
-    pooled = tokens_per_cycle(column_sum(spec["num_accepted_draft_tokens"]), column_sum(spec["num_cycles"]))
-    return {"mean_per_row": float(tpc.mean()),
-            "token_weighted": float((tpc * weights).sum() / weights.sum()) if weights.sum() else None,
-            "pooled": pooled, "tpf_pooled": pooled / 2}
-
-
-def _quantiles(col: pa.ChunkedArray) -> dict[str, float] | None:
-    values = np.asarray([v for v in col.to_pylist() if v is not None], dtype=float)
-    if not len(values):
-        return None
-    p50, p90, p99 = np.quantile(values, [0.5, 0.9, 0.99])
-    return {"p50": round(float(p50), 4), "p90": round(float(p90), 4), "p99": round(float(p99), 4),
-            "max": round(float(values.max()), 4)}
-
-
-def row_statistics(table: pa.Table) -> dict:
-    """Counts, tokens and speculation statistics over output rows (``_STAT_COLUMNS``)."""
-    ok = table.filter(pc.not_equal(table["finish_reason"], "error"))
-    counts = pc.value_counts(table["finish_reason"]) if table.num_rows else None
-    reasons = dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist())) if counts else {}
-    hist = _histogram(ok["accept_length_histogram"])
+def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
+    """Counts, tokens, speculation, row times, errors and the audit, from merged part aggregates
+    (``output/stats.py``): the summary never reads a row."""
+    sums, spec = total["sums"], total["speculation"]
+    ok = total["rows"] - total["error"]
+    hist = total["histogram"]
     rate, cond = acceptance_by_position(hist)
-    drafts, accepted = column_sum(ok["num_draft_tokens"]), column_sum(ok["num_accepted_draft_tokens"])
-    errors = table.filter(pc.equal(table["finish_reason"], "error")).slice(0, 5)
+    drafts, accepted = sums["num_draft_tokens"], sums["num_accepted_draft_tokens"]
+    pooled = tokens_per_cycle(accepted, sums["num_cycles"]) if spec["spec_rows"] else None
     return {
-        "rows": {"total": table.num_rows, "ok": ok.num_rows, "error": table.num_rows - ok.num_rows,
-                 "finish_reason": reasons, "duplicate_keys": _duplicates(table)},
-        "tokens": {"prompt": column_sum(ok["num_prompt_tokens"]),
-                   "completion": column_sum(ok["num_completion_tokens"]),
+        "rows": {"total": total["rows"], "ok": ok, "error": total["error"],
+                 "finish_reason": total["finish_reason"], "duplicate_keys": duplicates},
+        "tokens": {"prompt": sums["num_prompt_tokens"], "completion": sums["num_completion_tokens"],
                    # decoded past a stop string before the row ended (at most one block per row)
-                   "decoded_after_stop": (column_sum(ok["num_tokens_after_stop"])
-                                          if "num_tokens_after_stop" in ok.column_names else None)},
+                   "decoded_after_stop": sums["num_tokens_after_stop"] if total["after_stop_known"] else None},
         "speculation": {
-            "cycles": column_sum(ok["num_cycles"]), "forward_passes": column_sum(ok["num_forward_passes"]),
+            "cycles": sums["num_cycles"], "forward_passes": sums["num_forward_passes"],
             "draft_tokens": drafts, "accepted_draft_tokens": accepted,
             "draft_acceptance_rate": accepted / drafts if drafts else None,
-            "tokens_per_cycle": _tokens_per_cycle(ok),
+            "tokens_per_cycle": {
+                "mean_per_row": spec["tpc_sum"] / spec["spec_rows"] if spec["spec_rows"] else None,
+                "token_weighted": spec["tpc_weighted_sum"] / spec["tpc_weight"] if spec["tpc_weight"] else None,
+                "pooled": pooled, "tpf_pooled": pooled / 2 if pooled is not None else None},
             "accept_length_histogram": hist,
             "acceptance_rate_by_position": rate,
             "conditional_acceptance_by_position": cond,
         },
         # per row: seconds waiting for an engine slot, and from admission to the row's end
-        "row_seconds": {name: _quantiles(ok[name]) if name in ok.column_names else None
-                        for name in ("time_waiting_s", "time_in_engine_s")},
-        "error_examples": [{"id": i, "error": e} for i, e in zip(errors["id"].to_pylist(),
-                                                                  errors["error"].to_pylist())],
+        "row_seconds": {name: St.quantiles(total["times"].get(name)) for name in St.TIME_COLUMNS},
+        "error_examples": total["error_examples"],
+        "audit": _audit(total["audit"], audit_fraction),
     }
 
 
-def summarize(out: OutputDir, run: dict, config: dict) -> dict:
-    """Build the summary, write summary.json and summary.png atomically, and return it.
+def _audit(audit: dict, fraction: float) -> dict:
+    where = sorted((int(k), c) for k, c in audit["divergence_at"].items())
+    flat_count = sum(c for _, c in where)
+    median = None
+    if flat_count:
+        seen = 0
+        for k, c in where:      # the element at index count // 2 of the sorted divergences
+            seen += c
+            if seen > flat_count // 2:
+                median = k
+                break
+    return {"fraction": fraction, "rows_audited": audit["audited"], "exact_matches": audit["audited"] - audit["diverged"],
+            "diverged": audit["diverged"],
+            "first_divergence": {"min": where[0][0], "median": median, "max": where[-1][0]} if where else None,
+            "diverged_examples": audit["diverged_examples"]}
 
-    ``run["complete"]`` is set here: every expected (id, sample_index) is in the output, once.
-    """
-    table = out.read(_STAT_COLUMNS)
-    stats = row_statistics(table)
-    stats["audit"] = audit_statistics(table, config.get("audit", {}).get("fraction", 0.0))
+
+def row_statistics(table: pa.Table) -> dict:
+    """The summary's statistics over some output rows (duplicates counted by key within them)."""
+    dups = 0
+    if table.num_rows and "sample_index" in table.column_names:
+        dups = table.num_rows - pc.count_distinct(key_strings(table["id"], table["sample_index"])).as_py()
+    return statistics(St.of_table(table), dups, 0.0)
+
+
+def summarize(out: OutputDir, run: dict, config: dict) -> dict:
+    """Build the summary from the parts' footers, write summary.json and summary.png atomically,
+    and return it. ``run["complete"]`` is set here: every expected (id, sample_index) is in the
+    output, once."""
+    done, total, _ = out.done()
+    _, duplicates = done.merged()
+    stats = statistics(total, duplicates, config.get("audit", {}).get("fraction", 0.0))
     rows = stats["rows"]
     run = {**run, "rows_in_output": rows["total"],
            "complete": rows["total"] == run.get("rows_expected") and not rows["duplicate_keys"]}

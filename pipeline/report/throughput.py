@@ -1,10 +1,12 @@
-"""Per-actor throughput of this run, gathered by the driver from the blocks it commits."""
+"""Per-actor throughput of this run, gathered by the driver from the batch records it receives
+(one :data:`pipeline.rows.schema.BATCH_RECORD` per actor call; bounded by batches, not rows)."""
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.rows import schema as S
 
@@ -21,29 +23,48 @@ class ThroughputTracker:
         self.tokens: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.gpu_ids: dict[str, str] = {}
-        self._calls: set[str] = set()
         self._first: tuple[float, int] | None = None     # (time, total tokens) at the first block
         self._last = 0.0
         self._first_call: float | None = None            # wall clock at which an actor first got a batch
-        self._occupancy: dict[str, list[list[int]]] = defaultdict(list)   # per actor call, see stage._flat
+        # per actor, the calls that bound its windows (first and last arrival, latest end; see
+        # stage._flat), not every call: the driver's memory grows with actors, not batches
+        self._occupancy: dict[str, list[list[int]]] = defaultdict(list)
+        self._engine_ms: dict[str, tuple[int, int]] = {}
 
-    def add(self, batch: pa.Table) -> None:
-        """Account one block of generated rows (before it is cast to the output schema)."""
-        cols = batch.select([S.ACTOR, S.GPU_IDS, S.CALL_ID, S.CALL_SECONDS, "num_completion_tokens",
-                             S.OCCUPANCY, S.CALL_STARTED]).to_pydict()
-        for actor, gpus, call, secs, tokens, occupancy, started in zip(*cols.values()):
-            self.rows[actor] += 1
-            self.tokens[actor] += tokens or 0
-            self.gpu_ids[actor] = gpus
-            if call not in self._calls:
-                self._calls.add(call)
-                self.seconds[actor] += secs
-                self._occupancy[actor].append(occupancy)
-                if started is not None:
-                    self._first_call = started if self._first_call is None else min(self._first_call, started)
+    def add(self, block: pa.Table) -> None:
+        """Account the batch records of one block (the records ride on each batch's first row)."""
+        if S.BATCH not in block.column_names:
+            return
+        col = block[S.BATCH]
+        self.add_records(col.filter(pc.is_valid(col)).to_pylist())
+
+    def add_records(self, records: list[dict]) -> None:
+        """Account finished actor calls (one record each)."""
+        for r in records:
+            actor = r["actor"]
+            self.rows[actor] += r["rows"]
+            self.tokens[actor] += r["tokens"] or 0
+            self.gpu_ids[actor] = r["gpu_ids"]
+            self.seconds[actor] += r["seconds"]
+            self._keep(actor, r["occupancy"])
+            if r["started"] is not None:
+                self._first_call = r["started"] if self._first_call is None else min(self._first_call, r["started"])
         self._last = time.time()
         if self._first is None:
             self._first = (self._last, self.total_tokens)
+
+    def _keep(self, actor: str, c: list[int] | None) -> None:
+        if not c:
+            return
+        if len(c) >= 7:   # engine ms at arrival (5) and at the end (6): the actor's busy window
+            lo, hi = self._engine_ms.get(actor, (c[5], c[6]))
+            self._engine_ms[actor] = (min(lo, c[5]), max(hi, c[6]))
+        kept = self._occupancy[actor]
+        if not kept:
+            kept.extend([c, c, c])
+            return
+        first, last, end = kept
+        kept[:] = [min(first, c, key=lambda x: x[0]), max(last, c, key=lambda x: x[0]), max(end, c, key=lambda x: x[2])]
 
     def startup_seconds(self, start: float) -> float | None:
         """Seconds from ``start`` until an actor got its first batch (Ray, actor start, model load);
@@ -71,11 +92,9 @@ class ThroughputTracker:
         """
         window = {"until_input_ran_out": [0, 0], "whole_run": [0, 0]}   # [busy slot-iters, slot-iters]
         for calls in self._occupancy.values():
-            calls = [c for c in calls if c]
             if not calls:
                 continue
-            first, last = min(calls, key=lambda c: c[0]), max(calls, key=lambda c: c[0])
-            end = max(calls, key=lambda c: c[2])
+            first, last, end = calls
             slots = first[4]
             for name, (iters, busy) in (("until_input_ran_out", (last[0], last[1])), ("whole_run", (end[2], end[3]))):
                 window[name][0] += busy - first[1]
@@ -93,10 +112,10 @@ class ThroughputTracker:
         return sum(self.tokens.values())
 
     def _busy(self, actor: str) -> float:
-        calls = [c for c in self._occupancy.get(actor, []) if c and len(c) >= 7]
-        if not calls:
+        if actor not in self._engine_ms:
             return self.seconds[actor]
-        return (max(c[6] for c in calls) - min(c[5] for c in calls)) / 1000
+        lo, hi = self._engine_ms[actor]
+        return (hi - lo) / 1000
 
     def report(self) -> list[dict]:
         """One entry per actor, sorted by actor id."""

@@ -1,9 +1,12 @@
-"""Input preflight: resolve Parquet paths and check files, columns and ids before any model loads.
+"""Input preflight: resolve Parquet paths and check files and columns before any model loads.
 
-Everything here runs on the driver before any model loads, so a missing column, a column of the
-wrong type, a corrupt file or a duplicate id fails the job at once, naming the file and the field.
-Every file is read in full once (row group by row group, so memory stays bounded): a corrupt data
-page must stop the job here, not kill a read task hours into the run.
+Runs on the driver, so it reads **footers only** (in parallel threads): file listing, schemas, row
+counts and row-group sizes. Its time and memory grow with the number of files, never with rows. A
+missing column, a column of the wrong type, schemas that cannot be unified or an unreadable footer
+fail the job at once, naming the file and the field. Row-level checks run where the rows are read
+(Ray tasks): ids in ``ids.py`` (before the first commit), everything else in ``source.py``;
+``input.verify: full`` runs the full read of every row group as a distributed pass up front
+(``verify.py``).
 
 Inputs are local paths or URIs of one filesystem (``pipeline/storage/uris.py``); on an object store a
 "directory" is a key prefix, and globs are matched against the listing below their fixed prefix.
@@ -13,17 +16,16 @@ from __future__ import annotations
 import glob
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.rows.column_types import check_group, plain_type
+from pipeline.rows.column_types import plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
-from pipeline.rows.schema import (INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, RAY_PATH_COLUMN,
-                             RAY_ROW_HASH_COLUMN)
+from pipeline.rows.schema import INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS
 from pipeline.storage.uris import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
 _GLOB_CHARS = set("*?[")
@@ -35,6 +37,7 @@ class InputPlan:
 
     files: tuple[str, ...]              # absolute paths (inside ``filesystem``), sorted
     file_rows: tuple[int, ...]          # rows per file, aligned with ``files``
+    row_groups: tuple[tuple[int, ...], ...]   # rows per row group, per file
     roots: tuple[str, ...]              # directories searched (and single files named) by input.paths
     schema: pa.Schema                   # unified schema of all files
     num_rows: int
@@ -47,11 +50,6 @@ class InputPlan:
     partition_columns: tuple[str, ...] = ()   # their keys: string pass-through columns
     filesystem: pafs.FileSystem | None = None  # None: the local filesystem; else the store of every input
     scheme: str = "file"                # 's3', 'gs', ... for inputs in object storage
-
-    @property
-    def rows_per_file(self) -> dict[str, int]:
-        """Row count of each input file (bounds the derived row indices)."""
-        return dict(zip(self.files, self.file_rows))
 
     @property
     def passthrough_fields(self) -> list[pa.Field]:
@@ -133,12 +131,31 @@ def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
     return sorted(files), roots, locs[0]
 
 
-def _read_schema(path: str, fs: pafs.FileSystem | None) -> tuple[pa.Schema, int]:
+@dataclass(frozen=True)
+class Footer:
+    """What preflight keeps of one input file's footer."""
+
+    schema: pa.Schema
+    num_rows: int
+    row_groups: tuple[int, ...]
+
+
+def _read_footer(path: str, fs: pafs.FileSystem | None) -> Footer:
     try:
-        meta = pq.ParquetFile(path, filesystem=fs).metadata
-        return meta.schema.to_arrow_schema(), meta.num_rows
+        meta = pq.read_metadata(path, filesystem=fs)
+        return Footer(meta.schema.to_arrow_schema(), meta.num_rows,
+                      tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"input file {path} is not a readable Parquet file: {e}") from None
+
+
+def read_footers(files: list[str], fs: pafs.FileSystem | None, threads: int = 32) -> list[Footer]:
+    """Every file's footer, read in parallel threads (footer reads are I/O-bound; on an object
+    store each is one or two ranged GETs). Bounded by the number of files."""
+    if len(files) <= 1:
+        return [_read_footer(f, fs) for f in files]
+    with ThreadPoolExecutor(max_workers=min(threads, len(files))) as pool:
+        return list(pool.map(lambda f: _read_footer(f, fs), files))
 
 
 def _check_type(name: str, ok, expected: str, schemas: list[pa.Schema], files: list[str]) -> None:
@@ -164,50 +181,6 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
     for name in overrides:
         ok = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)  # noqa: E731
         _check_type(name, ok, "a number", schemas, files)
-
-
-def _scan(path: str, id_col: str | None, passthrough: list[pa.Field],
-          fs: pafs.FileSystem | None) -> pa.ChunkedArray | None:
-    """Read every row group of ``path`` (corruption shows up here), check that its pass-through
-    columns can be carried (``column_types.check_group``); return its id column."""
-    ids, where = [], "footer"
-    try:
-        f = pq.ParquetFile(path, filesystem=fs)
-        for g in range(f.num_row_groups):
-            where = f"row group {g} of {f.num_row_groups}"
-            group = f.read_row_group(g)
-            check_group(group, passthrough, path, first=g == 0)
-            if id_col is not None:
-                ids.append(group[id_col])
-    except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"input file {path} is corrupt ({where}): {type(e).__name__}: {e}") from None
-    if id_col is None:
-        return None
-    col = pa.chunked_array([c for chunk in ids for c in chunk.chunks], type=f.schema_arrow.field(id_col).type)
-    try:
-        col.validate(full=True)  # string ids: Parquet readers do not check UTF-8
-    except pa.ArrowInvalid as e:
-        raise ConfigError(f"input file {path}: id column {id_col!r} (input.id_column) holds invalid text: "
-                          f"{e}") from None
-    return col
-
-
-def _check_ids(files: list[str], cols: list[pa.ChunkedArray], id_col: str) -> None:
-    """Ids are the exactly-once key: every row needs one, and no two rows may share one."""
-    chunks = []
-    for path, col in zip(files, cols):
-        if col.null_count:
-            first = pc.index(pc.is_null(col), True).as_py()
-            raise ConfigError(f"input file {path}: {col.null_count} row(s) have a null {id_col!r} "
-                              f"(input.id_column), first at row {first}; every row needs an id")
-        chunks.append(pc.cast(col, pa.string()))
-    counts = pc.value_counts(pa.chunked_array(chunks, type=pa.string()))
-    dups = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
-    if len(dups):
-        where = [f for f, c in zip(files, chunks) if pc.any(pc.equal(c, dups[0])).as_py()]
-        raise ConfigError(f"input column {id_col!r} (input.id_column) has {len(dups)} duplicate id(s), "
-                          f"e.g. {dups[0].as_py()!r} (in {' and '.join(where[:2])}); ids must be unique "
-                          "(they key exactly-once output and resume)")
 
 
 def _unify(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
@@ -271,7 +244,8 @@ def inspect_inputs(cfg: InputConfig, storage: StorageConfig = StorageConfig()) -
     """Resolve and check the inputs; raise :class:`ConfigError` naming the file or field."""
     files, roots, remote = resolve_files(cfg, storage)
     fs = remote.fs if remote else None
-    schemas, counts = zip(*(_read_schema(f, fs) for f in files))
+    footers = read_footers(files, fs)
+    schemas, counts = [f.schema for f in footers], [f.num_rows for f in footers]
     schema = _unify(list(schemas), files)
     base, partitions = _partitions(files, roots, schema)
     schema = pa.schema([f.with_type(plain_type(f.type)) for f in schema]
@@ -287,16 +261,12 @@ def inspect_inputs(cfg: InputConfig, storage: StorageConfig = StorageConfig()) -
     consumed = {id_col, prompt, messages, *overrides} - {None}
     passthrough = tuple(n for n in schema.names if n not in consumed)
     clash = [n for n in passthrough if n in OUTPUT_NAMES or n.startswith(INTERNAL_PREFIX)]
-    if id_col is None:
-        clash += [n for n in (RAY_PATH_COLUMN, RAY_ROW_HASH_COLUMN) if n in schema.names]
     if clash:
         raise ConfigError(f"input column {clash[0]!r} clashes with a column the job writes or uses; "
                           f"rename it (or set input.id_column if it is the id)")
     _check_types(list(schemas), id_col, prompt, messages, overrides, files)
-    ids = [_scan(f, id_col, [schema.field(n) for n in passthrough], fs) for f in files]
-    if id_col is not None:
-        _check_ids(files, ids, id_col)
-    return InputPlan(files=tuple(files), file_rows=tuple(counts), roots=tuple(roots), schema=schema, num_rows=sum(counts),
+    return InputPlan(files=tuple(files), file_rows=tuple(counts), row_groups=tuple(f.row_groups for f in footers),
+                     roots=tuple(roots), schema=schema, num_rows=sum(counts),
                      id_column=id_col, prompt_column=prompt, messages_column=messages,
                      override_columns=overrides, passthrough=passthrough, partition_base=base,
                      partition_columns=tuple(partitions), filesystem=fs,

@@ -1,4 +1,4 @@
-"""CPU stage: validate, expand to n samples, skip finished keys, format and tokenize.
+"""CPU stage: validate, expand to the pending samples (the read task chose them), format and tokenize.
 
 Runs as a Ray Data task over Arrow batches. A row that cannot be used becomes an error row (the
 ``error`` column is set and it skips generation); nothing a single row holds can fail the batch:
@@ -24,7 +24,6 @@ from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageCo
 from pipeline.rows.inputs import InputPlan
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.rows.prompts import InvalidText, RowError, format_prompt
-from pipeline.rows.row_ids import derive_ids
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,6 @@ class PreprocessPlan:
     prompt: PromptConfig
     sampling: SamplingConfig
     storage: StorageConfig = StorageConfig()
-    finished: pa.Array | None = None   # keys (see schema.key_strings) already in the output
 
 
 def derive_seed(base: int, row_id: str, sample_index: int) -> int:
@@ -84,18 +82,14 @@ def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: Sampl
 def _row_ids(batch: pa.Table, plan: InputPlan) -> list[str]:
     if plan.id_column is not None:
         return pc.cast(batch[plan.id_column], pa.string()).to_pylist()
-    return derive_ids(batch[S.RAY_PATH_COLUMN], batch[S.RAY_ROW_HASH_COLUMN], plan.rows_per_file)
+    return batch[S.DERIVED_ID].to_pylist()
 
 
-def _expand(ids: list[str], n: int, finished: pa.Array | None) -> tuple[np.ndarray, np.ndarray]:
-    """(input row index, sample index) of every sample not yet in the output."""
-    rows = np.repeat(np.arange(len(ids)), n)
-    samples = np.tile(np.arange(n), len(ids))
-    if finished is not None and len(finished) and len(rows):
-        keys = S.key_strings(pa.array(ids, pa.string()).take(rows), pa.array(samples))
-        keep = ~np.asarray(pc.is_in(keys, value_set=finished).to_numpy(zero_copy_only=False), dtype=bool)
-        rows, samples = rows[keep], samples[keep]
-    return rows, samples
+def _expand(batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(input row index, sample index) of every pending sample (the read task listed them)."""
+    samples = batch[S.SAMPLES].combine_chunks()
+    rows = pc.list_parent_indices(samples).to_numpy(zero_copy_only=False).astype(np.int64)
+    return rows, pc.list_flatten(samples).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _values(batch: pa.Table, name: str | None) -> list:
@@ -159,7 +153,7 @@ def _tokenize(batch: pa.Table, needed: np.ndarray, plan: PreprocessPlan) -> dict
 def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
     """Input rows -> one row per pending (id, sample_index), tokenized or marked as an error."""
     ids = _row_ids(batch, plan.inputs)
-    rows, samples = _expand(ids, plan.sampling.n, plan.finished)
+    rows, samples = _expand(batch)
     tokens = _tokenize(batch, np.unique(rows), plan)
     overrides = {name: _values(batch, name) for name in plan.inputs.override_columns}
     cols: dict[str, list] = {k: [] for k in ("id", "sample_index", "seed", "num_prompt_tokens", "error",
@@ -185,17 +179,15 @@ def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
         cols[S.TOP_P].append(params.top_p if ok else None)
         cols[S.TOP_K].append(params.top_k if ok else None)
         cols[S.MAX_NEW_TOKENS].append(params.max_new_tokens if ok else None)
-    return _assemble(cols, _passthrough(batch, plan.inputs, rows))
+    take = pa.array(rows, pa.int64())
+    coordinates = {S.FILE: batch[S.FILE].take(take), S.ROW: batch[S.ROW].take(take)}
+    return _assemble(cols, coordinates, _passthrough(batch, plan.inputs, rows))
 
 
 def _passthrough(batch: pa.Table, inputs: InputPlan, rows: np.ndarray) -> pa.Table:
-    """Pass-through columns of the kept rows, as the inputs' unified, view-free types.
-
-    A column this batch's file lacks stays absent (the driver fills it with nulls when it casts to
-    the output schema); a column whose type differs between files (int32 here, int64 there), or a
-    view type, is converted first (``column_types.convert``; views have no ``take``), so blocks
-    from different files concatenate.
-    """
+    """Pass-through columns of the kept rows (the read task already gave them the inputs' unified,
+    view-free types). A column this batch's file lacks stays absent (the driver fills it with
+    nulls when it casts to the output schema)."""
     take = pa.array(rows, pa.int64())
     fields = [f for f in inputs.passthrough_fields if f.name in batch.column_names]
     return pa.table({f.name: convert(batch[f.name], f.type).take(take) for f in fields}, schema=pa.schema(fields))
@@ -206,8 +198,8 @@ _TYPES = {"id": pa.string(), "sample_index": pa.int64(), "seed": pa.int64(), "nu
           S.TOP_P: pa.float64(), S.TOP_K: pa.int64(), S.MAX_NEW_TOKENS: pa.int64()}
 
 
-def _assemble(cols: dict[str, list], passthrough: pa.Table) -> pa.Table:
-    table = pa.table({name: pa.array(values, _TYPES[name]) for name, values in cols.items()})
+def _assemble(cols: dict[str, list], coordinates: dict[str, pa.ChunkedArray], passthrough: pa.Table) -> pa.Table:
+    table = pa.table({**{name: pa.array(values, _TYPES[name]) for name, values in cols.items()}, **coordinates})
     for field in passthrough.schema:
         table = table.append_column(field, passthrough[field.name])
     return table

@@ -38,12 +38,12 @@ KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
 # Per-row input columns that override the sampling defaults (consumed, never passed through).
 OVERRIDE_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
-# Columns Ray's read_parquet adds when ids are derived from file name and row index.
-RAY_PATH_COLUMN = "path"
-RAY_ROW_HASH_COLUMN = "row_hash"
-
 # Internal columns carried between stages; the "__" prefix keeps them apart from user columns.
 INTERNAL_PREFIX = "__"
+FILE = "__file"                        # read -> driver: index of the row's input file in the plan
+ROW = "__row"                          # read -> driver: the row's index in that file
+SAMPLES = "__samples"                  # read -> preprocess: the row's pending sample indices
+DERIVED_ID = "__derived_id"            # read -> preprocess: '<file name>:<row index>' (no id column)
 PROMPT_IDS = "__prompt_token_ids"      # preprocess -> generate
 TEMPERATURE = "__temperature"
 TOP_P = "__top_p"
@@ -51,12 +51,16 @@ TOP_K = "__top_k"
 MAX_NEW_TOKENS = "__max_new_tokens"
 TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
 STOP_TEXT = "__stop_text"              # engine -> detokenize (completion cut before a stop string)
-OCCUPANCY = "__engine_occupancy"       # generate -> driver (engine counters, see stage._flat)
-ACTOR = "__actor"                      # generate -> driver (per-actor throughput)
-GPU_IDS = "__gpu_ids"
-CALL_ID = "__call_id"
-CALL_SECONDS = "__call_seconds"
-CALL_STARTED = "__call_started"        # wall clock (epoch s) at which the actor got the batch
+BATCH = "__batch"                      # generate -> driver: one BatchRecord per batch, on its first row
+
+# The per-batch figures the driver needs (throughput, occupancy), one struct per actor call.
+BATCH_RECORD = pa.struct([
+    pa.field("actor", pa.string()), pa.field("gpu_ids", pa.string()), pa.field("call_id", pa.string()),
+    pa.field("rows", pa.int64()), pa.field("tokens", pa.int64()),
+    pa.field("seconds", pa.float64()),         # the call's wall time
+    pa.field("started", pa.float64()),         # wall clock (epoch s) at which the actor got the batch
+    pa.field("occupancy", pa.list_(pa.int64())),   # engine counters, see stage._flat
+])
 
 FINISH_REASONS = ("stop", "length", "error")
 

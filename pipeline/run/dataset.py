@@ -1,42 +1,46 @@
-"""The Ray Data graph: read_parquet -> preprocess (CPU tasks) -> generate + detokenize (actors).
+"""The Ray Data graph: input row groups (``rows/source.py`` read tasks) -> preprocess (CPU tasks)
+-> generate + detokenize (actors).
 
-The driver consumes the result and commits each block (see ``output.py``); nothing here writes.
+The driver consumes the result and streams it into parts (``run/commit.py``); nothing here writes.
 """
 from __future__ import annotations
-
-import pyarrow as pa
 
 from pipeline.config import JobConfig
 from pipeline.actor.faults import FaultInjector, from_environment
 from pipeline.rows.inputs import InputPlan
+from pipeline.rows.source import Pending, make_datasource
 from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.run.resources import Placement
 from pipeline.actor.stage import GenerationStage, StagePlan
 
 
-def build_dataset(config: JobConfig, inputs: InputPlan, finished: pa.Array, placement: Placement,
-                  stage_cls: type = GenerationStage):
-    """The lazy dataset whose blocks are finished output rows (plus internal columns)."""
-    import ray.data
-    from ray.data.datasource.partitioning import Partitioning
+# Preprocessing (tokenization) works on blocks of at least this many rows: large enough that a
+# task's overhead is small next to its work, small enough that the first batches reach the actors
+# while the rest of a big row group is still being tokenized.
+PREPROCESS_ROWS = 1024
 
-    derive_ids = inputs.id_column is None
+
+def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pending | None], placement: Placement,
+                  stage_cls: type = GenerationStage):
+    """The lazy dataset whose blocks are finished output rows (plus internal columns).
+
+    ``pending`` (``output/sources.py``): the files with samples left to generate, each with its own
+    finished ranges; the other files are not read.
+    """
+    import ray.data
+
     # The driver shows one progress bar of its own (rows committed of expected, tokens/s, ETA);
     # Ray Data's per-operator bars would interleave with it.
     ray.data.DataContext.get_current().enable_progress_bars = False
     faults = from_environment()
     FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
-    # Hive partition columns (key=value directories below the inputs' common directory) are read as
-    # preflight found them (pipeline/rows/inputs.py); none elsewhere, so a '=' higher up adds nothing.
-    partitioning = Partitioning("hive", base_dir=inputs.partition_base) if inputs.partition_columns else None
-    ds = ray.data.read_parquet(list(inputs.files), include_paths=derive_ids, include_row_hash=derive_ids,
-                               file_extensions=None, partitioning=partitioning,
-                               filesystem=inputs.filesystem)
+    ds = ray.data.read_datasource(make_datasource(inputs, pending, config.sampling.n))
+    ds = ds.repartition(target_num_rows_per_block=max(PREPROCESS_ROWS, config.engine.batch_size))
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
-                         storage=config.storage, finished=finished if len(finished) else None)
+                         storage=config.storage)
     ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow")
-    # Small shards arrive as one block; re-cut into batch-sized blocks so work spreads over the
-    # actors and each finished batch reaches the driver (and disk) while the job runs.
+    # Re-cut into batch-sized blocks so work spreads over the actors and each finished batch
+    # reaches the driver while the job runs.
     ds = ds.repartition(target_num_rows_per_block=config.engine.batch_size)
     return ds.map_batches(
         stage_cls,

@@ -1,0 +1,149 @@
+"""The driver's commit loop: blocks from Ray Data stream into parts (``output/parts.py``).
+
+Blocks are pulled by a daemon thread into a small queue, so the loop keeps its clocks while no
+block arrives: a part open for ``output.part_seconds`` commits even when the actors are slow, and
+``behaviour.max_wall_seconds`` stops the job on time. At the end (or at the deadline) the open part
+commits; the blocks still in flight are generated again by ``--resume``.
+
+The loop's memory is one open part's row-group buffer plus the queue; its work per block is
+vectorised (coordinates, aggregates, the cast to the output schema) and the per-batch figures come
+as one record per batch, so it is bounded by blocks, never by per-row Python.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.output.parts import PartWriter
+from pipeline.report.progress import Progress
+from pipeline.report.throughput import ThroughputTracker
+from pipeline.rows import schema as S
+from pipeline.rows.source import INPUT_ERROR_MARK, InputFileError
+
+_TICK_S = 1.0
+
+
+@dataclass
+class CommitLoop:
+    """Everything the loop feeds: the open part, the throughput and progress displays."""
+
+    writer: PartWriter
+    schema: pa.Schema
+    tracker: ThroughputTracker
+    progress: Progress
+    ids_checked: Future | None = None    # the distributed id check; the first commit waits for it
+
+    def add(self, block: pa.Table) -> None:
+        """One block of finished rows: account its batch records, append its rows to the open part."""
+        if self.ids_checked is not None:
+            self.ids_checked.result()        # raises ConfigError on a duplicate id: nothing committed yet
+            self.ids_checked = None
+        self.tracker.add(block)
+        if not block.num_rows:
+            return
+        coords = [np.asarray(block[c].to_numpy(), np.int64) for c in (S.FILE, S.ROW, "sample_index")]
+        self.writer.add(S.to_output_table(block, self.schema), *coords)
+        self.progress.update(block.num_rows, self.tracker.steady_tokens_per_second())
+
+    def commit(self) -> None:
+        if self.ids_checked is not None and self.writer.rows:
+            self.ids_checked.result()
+        self.writer.commit()
+
+
+def run_loop(blocks, loop: CommitLoop, deadline: float | None) -> bool:
+    """Commit every block of the ``blocks`` iterator → whether the deadline (``time.time()``) stopped it.
+
+    An input file found unreadable mid-run (:class:`InputFileError`) commits the open part (its rows
+    are good) and is raised; any other failure drops the open part.
+    """
+    pending: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+    pump = threading.Thread(target=_pump, args=(blocks, pending, stop), name="orthrus-blocks", daemon=True)
+    pump.start()
+    try:
+        while True:
+            now = time.time()
+            if deadline is not None and now >= deadline:
+                loop.commit()
+                return True
+            waits = [_TICK_S, loop.writer.seconds_left()]
+            if deadline is not None:
+                waits.append(deadline - now)
+            try:
+                kind, item = pending.get(timeout=min(w for w in waits if w is not None))
+            except queue.Empty:
+                kind, item = "tick", None
+            if kind == "end":
+                loop.commit()
+                return False
+            if kind == "error":
+                raise item
+            if kind == "block":
+                loop.add(item)
+            if loop.writer.due():
+                loop.commit()
+    except BaseException as e:
+        found = input_error(e)
+        if found is not None:
+            loop.commit()
+            raise found from e
+        loop.writer.abort()
+        raise
+    finally:
+        stop.set()
+        pump.join(timeout=30)      # the pump closes the iterator (see _pump) before Ray may shut down
+
+
+def _pump(blocks, out: queue.Queue, stop: threading.Event) -> None:
+    """Move blocks into ``out`` until the end, an error, or ``stop``; then close the iterator, so
+    Ray Data's executor stops while Ray is still up (left to garbage collection, its threads can
+    outlive ``ray.shutdown()``)."""
+    try:
+        for block in blocks:
+            if not _put(out, ("block", block), stop):
+                return
+        _put(out, ("end", None), stop)
+    except BaseException as e:  # noqa: BLE001 - handed to the committing thread
+        _put(out, ("error", e), stop)
+    finally:
+        close = getattr(blocks, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put unless ``stop`` is set first → whether it was put."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def input_error(error: BaseException) -> InputFileError | None:
+    """The :class:`InputFileError` behind whatever Ray wrapped it in (or None)."""
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, InputFileError):
+            return InputFileError(e.message)
+        e = getattr(e, "cause", None) if isinstance(getattr(e, "cause", None), BaseException) else (
+            e.__cause__ or e.__context__)
+    text = str(error)
+    if INPUT_ERROR_MARK in text:
+        message = text.split(INPUT_ERROR_MARK, 1)[1].strip().splitlines()[0]
+        return InputFileError(message)
+    return None
