@@ -46,6 +46,7 @@ VENV_BIN = Path(sys.executable).parent
 ROWS = 32                 # one shard; batch_size 2 -> 16 batches, 8 in flight at a time (2 actors x 4)
 SLEEP_PER_BATCH = 2.5     # seconds each batch takes longer (ORTHRUS_FAULT_INJECT=sleep_per_batch:S)
 JOB_TIMEOUT = 240         # seconds a job may take before the test calls it a hang
+HEAD_LOSS_GRACE = 20      # seconds a driver whose head died may take to end by itself (then SIGKILL)
 
 # The helper that holds a Cluster. argv[1]: {"temp_dir": ...}. Replies are single lines starting with
 # "@@ " (anything else on its stdout is Ray's noise and is skipped).
@@ -182,10 +183,10 @@ def clusters():
 class Job:
     """``python -m jobs.generate --config FILE --address GCS [args]`` in its own session, output to files."""
 
-    def __init__(self, cfg: Path, gcs: str, *args: str, name: str = "job") -> None:
+    def __init__(self, cfg: Path, gcs: str, *args: str, name: str = "job", env: dict[str, str] | None = None) -> None:
         self.out = cfg.parent / f"{name}.stdout"
         self.err = cfg.parent / f"{name}.stderr"
-        env = _env(ORTHRUS_FAULT_INJECT=f"sleep_per_batch:{SLEEP_PER_BATCH}")
+        env = _env(ORTHRUS_FAULT_INJECT=f"sleep_per_batch:{SLEEP_PER_BATCH}", **(env or {}))
         with open(self.out, "wb") as o, open(self.err, "wb") as e:
             self.proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", "--config", str(cfg),
                                           "--address", gcs, *args], cwd=REPO, env=env, stdout=o, stderr=e,
@@ -296,20 +297,25 @@ def test_head_lost_mid_run_then_resume_on_a_new_cluster_exactly_once(clusters, j
     cfg, expected = _job_config(tmp_path, tiny_orthrus_dir)
     out = tmp_path / "out"
     cluster = clusters()
-    job = jobs(cfg, cluster.gcs)
+    # A driver whose GCS is gone retries it for gcs_rpc_server_reconnect_timeout_s (60 s by default),
+    # then Ray ends the process (status 1, "Failed to connect to GCS within N seconds"): shortened here.
+    job = jobs(cfg, cluster.gcs, env={"RAY_gcs_rpc_server_reconnect_timeout_s": str(HEAD_LOSS_GRACE // 2)})
     _wait_for_part(job, out)
     t_kill = time.time()
     cluster.command("kill_head")                                     # the driver's node, without grace
     try:
-        rc = job.proc.wait(timeout=20)
+        rc = job.proc.wait(timeout=HEAD_LOSS_GRACE)
         ended = f"ended by itself with status {rc} {time.time() - t_kill:.1f} s after the head was killed"
     except subprocess.TimeoutExpired:
+        rc = None
         job.kill()
-        ended = "did not end by itself within 20 s; SIGKILLed"
+        ended = f"did not end by itself within {HEAD_LOSS_GRACE} s; SIGKILLed"
     cluster.shutdown()
     before = {p.name: p.read_bytes() for p in _parts(out)}
     done = [(r["id"], r["sample_index"]) for r in _rows(out)]
-    print(f"driver {ended}; {len(before)} parts / {len(done)} rows committed")
+    print(f"driver {ended}; {len(before)} parts / {len(done)} rows committed; "
+          f"lease file left behind: {(out / '_lease.json').exists()}")
+    assert rc != 0, f"the driver reported success after losing its head\n{job.tail()}"
     assert len(done) == len(set(done)) and 0 < len(done) < len(expected), f"{len(done)} rows\n{job.tail()}"
 
     cluster = clusters()                                             # a new cluster, the same command

@@ -129,15 +129,30 @@ def overlapping(summaries: list[FileIds]) -> list[str]:
     return sorted(out)
 
 
+class _Tasks:
+    """Ray tasks when Ray is up; plain calls in this process otherwise (unit tests, tools)."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.ray = ray if ray.is_initialized() else None
+
+    def call(self, fn, calls: list[tuple], num_returns: int = 1) -> list:
+        if self.ray is None:
+            return [fn(*args) for args in calls]
+        task = self.ray.remote(fn).options(num_cpus=1, max_retries=3, num_returns=num_returns)
+        return [task.remote(*args) for args in calls]
+
+    def get(self, refs: list) -> list:
+        return refs if self.ray is None else self.ray.get(refs)
+
+
 def check_ids(plan: InputPlan) -> None:
     """Raise :class:`ConfigError` unless every row has an id and no two rows share one (Ray tasks)."""
-    import ray
-
     if plan.id_column is None:        # derived '<file name>:<row index>' ids are unique by construction
         return
-    fs, column = plan.filesystem, plan.id_column
-    summarise = ray.remote(file_ids).options(num_cpus=1, max_retries=3)
-    summaries = ray.get([summarise.remote(f, column, fs) for f in plan.files])
+    fs, column, tasks = plan.filesystem, plan.id_column, _Tasks()
+    summaries = tasks.get(tasks.call(file_ids, [(f, column, fs) for f in plan.files]))
     for s in summaries:
         if s.error:
             raise ConfigError(s.error)
@@ -145,11 +160,9 @@ def check_ids(plan: InputPlan) -> None:
     if not files:
         return
     buckets = max(1, min(64, sum(s.count for s in summaries if s.path in files) // 1_000_000))
-    split = ray.remote(split_ids).options(num_cpus=1, num_returns=buckets, max_retries=3)
-    refs = [split.remote(f, column, fs, buckets) for f in files]
+    refs = tasks.call(split_ids, [(f, column, fs, buckets) for f in files], num_returns=buckets)
     refs = [r if buckets > 1 else [r] for r in refs]
-    reduce = ray.remote(count_bucket).options(num_cpus=1, max_retries=3)
-    found = ray.get([reduce.remote(files, *[r[b] for r in refs]) for b in range(buckets)])
+    found = tasks.get(tasks.call(count_bucket, [(files, *[r[b] for r in refs]) for b in range(buckets)]))
     total = sum(count for count, _, _ in found)
     if total:
         _, example, holders = next(f for f in found if f[0])
@@ -174,10 +187,8 @@ def verify_file(path: str, plan: InputPlan) -> str | None:
 
 def verify_inputs(plan: InputPlan) -> None:
     """``input.verify: full``: every file read in full by Ray tasks; raise the first error."""
-    import ray
-
-    task = ray.remote(verify_file).options(num_cpus=1, max_retries=3)
-    plan_ref = ray.put(plan)
-    for error in ray.get([task.remote(f, plan_ref) for f in plan.files]):
+    tasks = _Tasks()
+    shared = tasks.ray.put(plan) if tasks.ray is not None else plan
+    for error in tasks.get(tasks.call(verify_file, [(f, shared) for f in plan.files])):
         if error:
             raise ConfigError(error)

@@ -193,3 +193,11 @@ def make_datasource(plan: InputPlan, pending: dict[str, Pending | None], n: int)
             return "ReadInputs"
 
     return InputSource()
+
+
+def read_file(plan: InputPlan, index: int, n: int) -> pa.Table:
+    """All of input file ``index`` as the read tasks give it, nothing finished (tests and tools)."""
+    path = plan.files[index]
+    tasks = row_group_tasks(plan, {path: None})
+    spec = ReadSpec.of(plan)
+    return pa.concat_tables([read_row_group(t, spec, n) for t in tasks if t.path == path])
