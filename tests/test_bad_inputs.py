@@ -1,4 +1,6 @@
-"""Bad inputs without a Ray cluster: each ends as an error row or an up-front error naming file and field.
+"""Bad inputs without a Ray cluster: each ends as an error row or an error naming file and field, found
+up front (preflight's footers, the id check before the first commit, ``input.verify: full``) or by the
+read task of the file.
 
 Real Parquet files, the real tokenizer and (for the stage) the real engine on a tiny random
 checkpoint. The same inputs also run end to end through Ray in ``test_faults_ray.py``.
@@ -8,13 +10,22 @@ from __future__ import annotations
 import asyncio
 
 import math
+from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.config import BehaviourConfig, ConfigError
+from pipeline.output.directory import OutputDir, read_footer
+from pipeline.output.parts import PartWriter
+from pipeline.report.progress import Progress
+from pipeline.report.throughput import ThroughputTracker
+from pipeline.rows import schema as S
+from pipeline.rows.checks import check_ids, verify_inputs
+from pipeline.rows.source import InputFileError, read_file
+from pipeline.run.commit import CommitLoop, run_loop
 from pipeline.run.job import preflight
 from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.actor.stage import GenerationStage, StagePlan
@@ -35,51 +46,120 @@ def corrupt_pages(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-# ---------------------------------------------------------------- up-front errors (preflight)
+# ---------------------------------------------------------------- up-front errors (preflight, id check, full read)
 
 def _write(t: Path, name: str, **cols) -> Path:
     return _shard(t, name, **cols)
 
 
-@pytest.mark.parametrize("setup, message", [
+# Where each is found: "preflight" (footers: types, schemas, unreadable files), "ids" (``check_ids``:
+# Ray tasks while the actors load; the first commit waits for it), "read" (a corrupt page: up front
+# with ``input.verify: full``, else the read task of its row group, mid-run).
+PREFLIGHT, IDS, READ = "preflight", "ids", "read"
+
+
+@pytest.mark.parametrize("found_by, setup, message", [
     # wrong column types: the message names the file that has the bad type, not just the first file
-    (lambda t: (_write(t, "a.parquet", id=["x"], messages=[MSG % "hi"]), _write(t, "b.parquet", id=["y"], prompt=[3])),
+    (PREFLIGHT, lambda t: (_write(t, "a.parquet", id=["x"], messages=[MSG % "hi"]),
+                           _write(t, "b.parquet", id=["y"], prompt=[3])),
      r"input column 'prompt' has type int64, expected string \(in .*b.parquet\)"),
-    (lambda t: _write(t, "a.parquet", id=["x"], messages=[5]), r"'messages' has type int64, expected list"),
-    (lambda t: (_write(t, "a.parquet", id=["x"], prompt=["p"]),
-                _write(t, "b.parquet", id=["y"], prompt=["q"], temperature=["hot"])),
+    (PREFLIGHT, lambda t: _write(t, "a.parquet", id=["x"], messages=[5]), r"'messages' has type int64, expected list"),
+    (PREFLIGHT, lambda t: (_write(t, "a.parquet", id=["x"], prompt=["p"]),
+                           _write(t, "b.parquet", id=["y"], prompt=["q"], temperature=["hot"])),
      r"'temperature' has type string, expected a number \(in .*b.parquet\)"),
-    (lambda t: _write(t, "a.parquet", id=[1.5], prompt=["p"]), r"'id' has type double, expected string or integer"),
+    (PREFLIGHT, lambda t: _write(t, "a.parquet", id=[1.5], prompt=["p"]),
+     r"'id' has type double, expected string or integer"),
     # shards with incompatible schemas: field and both files named
-    (lambda t: (_write(t, "a.parquet", id=["x"], prompt=["p"], score=["high"]),
-                _write(t, "b.parquet", id=["y"], prompt=["q"], score=[3])),
+    (PREFLIGHT, lambda t: (_write(t, "a.parquet", id=["x"], prompt=["p"], score=["high"]),
+                           _write(t, "b.parquet", id=["y"], prompt=["q"], score=[3])),
      r"input column 'score' has type string in .*a.parquet but int64 in .*b.parquet"),
-    (lambda t: (_write(t, "a.parquet", id=["1"], prompt=["p"]), _write(t, "b.parquet", id=[1], prompt=["q"])),
+    (PREFLIGHT, lambda t: (_write(t, "a.parquet", id=["1"], prompt=["p"]), _write(t, "b.parquet", id=[1], prompt=["q"])),
      r"input column 'id' has type string in .*a.parquet but int64 in .*b.parquet"),
     # duplicate ids (within a file, across files): the id and the file(s) named
-    (lambda t: _write(t, "a.parquet", id=["x", "y", "x"], prompt=["p", "q", "r"]),
+    (IDS, lambda t: _write(t, "a.parquet", id=["x", "y", "x"], prompt=["p", "q", "r"]),
      r"1 duplicate id\(s\), e.g. 'x' \(in .*a.parquet\)"),
-    (lambda t: (_write(t, "a.parquet", id=[7, 8], prompt=["p", "q"]), _write(t, "b.parquet", id=[8], prompt=["r"])),
+    (IDS, lambda t: (_write(t, "a.parquet", id=[7, 8], prompt=["p", "q"]), _write(t, "b.parquet", id=[8], prompt=["r"])),
      r"duplicate id\(s\), e.g. '8' \(in .*a.parquet and .*b.parquet\)"),
-    (lambda t: _write(t, "a.parquet", id=pa.array(["x", None, None], pa.string()), prompt=["p", "q", "r"]),
+    (IDS, lambda t: _write(t, "a.parquet", id=pa.array(["x", None, None], pa.string()), prompt=["p", "q", "r"]),
      r"a.parquet: 2 row\(s\) have a null 'id' \(input.id_column\), first at row 1"),
     # invalid UTF-8 in the id column (ids key the output: no error row can carry a broken key)
-    (lambda t: _write(t, "a.parquet", id=raw_strings([b"ok", b"bad\xff"]), prompt=["p", "q"]),
+    (IDS, lambda t: _write(t, "a.parquet", id=raw_strings([b"ok", b"bad\xff"]), prompt=["p", "q"]),
      r"a.parquet: id column 'id' \(input.id_column\) holds invalid text: .*Invalid UTF8"),
     # corrupt Parquet: garbage, empty, truncated (no footer), and a readable footer over corrupt pages
-    (lambda t: (t / "in").mkdir() or (t / "in" / "z.parquet").write_bytes(b""), r"z.parquet is not a readable"),
-    (lambda t: (t / "in").mkdir() or (t / "in" / "z.parquet").write_bytes(b"PAR1" + b"\0" * 64),
+    (PREFLIGHT, lambda t: (t / "in").mkdir() or (t / "in" / "z.parquet").write_bytes(b""),
+     r"z.parquet is not a readable"),
+    (PREFLIGHT, lambda t: (t / "in").mkdir() or (t / "in" / "z.parquet").write_bytes(b"PAR1" + b"\0" * 64),
      r"z.parquet is not a readable Parquet file"),
-    (lambda t: (p := _write(t, "z.parquet", id=["a"] * 1, prompt=["p"])).write_bytes(p.read_bytes()[:-30]),
+    (PREFLIGHT, lambda t: (p := _write(t, "z.parquet", id=["a"] * 1, prompt=["p"])).write_bytes(p.read_bytes()[:-30]),
      r"z.parquet is not a readable Parquet file"),
-    (lambda t: corrupt_pages(_write(t, "z.parquet", id=[f"r{i}" for i in range(200)],
-                                    prompt=[f"def f{i}(): return {i}" * 3 for i in range(200)])),
+    (READ, lambda t: corrupt_pages(_write(t, "z.parquet", id=[f"r{i}" for i in range(200)],
+                                          prompt=[f"def f{i}(): return {i}" * 3 for i in range(200)])),
      r"input file .*z.parquet is corrupt \(row group 0 of 1\)"),
 ])
-def test_bad_files_fail_up_front_naming_file_and_field(tmp_path, weightless_model, setup, message):
+def test_bad_files_fail_up_front_naming_file_and_field(tmp_path, weightless_model, found_by, setup, message):
     setup(tmp_path)
+    if found_by == PREFLIGHT:
+        with pytest.raises(ConfigError, match=message):
+            preflight(_config(tmp_path, weightless_model))
+        return
+    inputs = preflight(_config(tmp_path, weightless_model)).inputs   # footers only: rows are checked where read
+    if found_by == IDS:
+        with pytest.raises(ConfigError, match=message):
+            check_ids(inputs)             # Ray tasks in a job (inline without Ray); the first commit waits for it
+        return
     with pytest.raises(ConfigError, match=message):
-        preflight(_config(tmp_path, weightless_model))
+        verify_inputs(inputs)             # input.verify: full, before any actor loads the model
+    with pytest.raises(InputFileError, match=message):
+        read_file(inputs, 0, 1)           # otherwise the file's read task, mid-run
+
+
+def _commit_loop(tmp_path: Path, files: tuple[str, ...], ids_checked: Future | None) -> tuple[OutputDir, CommitLoop]:
+    out = OutputDir(str(tmp_path / "out"))
+    out.prepare(BehaviourConfig(), {"model": "m"})
+    writer = PartWriter(out, S.output_schema([]), files, 1, part_bytes=1 << 30, part_seconds=3600)
+    return out, CommitLoop(writer, writer.schema, ThroughputTracker(), Progress(3, 0, lambda _: None, bar=False),
+                           ids_checked)
+
+
+def _block(ids: list[str], rows: list[int]) -> pa.Table:
+    """Finished rows as the actors return them: output columns and each row's coordinate."""
+    return pa.table({"id": ids, "sample_index": [0] * len(ids), "finish_reason": ["length"] * len(ids),
+                     S.FILE: pa.array([0] * len(ids), pa.int32()), S.ROW: pa.array(rows, pa.int64())})
+
+
+def test_a_failed_id_check_stops_the_job_before_anything_is_committed(tmp_path, weightless_model):
+    _write(tmp_path, "a.parquet", id=["x", "y", "x"], prompt=["p", "q", "r"])
+    inputs = preflight(_config(tmp_path, weightless_model)).inputs
+    ids_checked: Future = Future()
+    out, loop = _commit_loop(tmp_path, inputs.files, ids_checked)
+    try:
+        check_ids(inputs)
+    except ConfigError as e:
+        ids_checked.set_exception(e)
+    with pytest.raises(ConfigError, match=r"1 duplicate id\(s\), e.g. 'x'"):
+        run_loop(iter([_block(["x", "y"], [0, 1])]), loop, None)   # rows were generated meanwhile
+    assert out.part_files() == [] and not list(out.tmp.iterdir())
+
+
+def test_a_corrupt_file_found_mid_run_commits_what_was_read_and_names_the_file(tmp_path, weightless_model):
+    _write(tmp_path, "a.parquet", id=["a0", "a1"], prompt=["p", "q"])
+    corrupt_pages(_write(tmp_path, "z.parquet", id=[f"r{i}" for i in range(200)],
+                         prompt=[f"def f{i}(): return {i}" * 3 for i in range(200)]))
+    inputs = preflight(_config(tmp_path, weightless_model)).inputs
+    ids_checked: Future = Future()
+    ids_checked.set_result(None)
+    out, loop = _commit_loop(tmp_path, inputs.files, ids_checked)
+
+    def blocks():
+        yield _block(["a0", "a1"], [0, 1])
+        read_file(inputs, 1, 1)           # z.parquet's read task
+
+    with pytest.raises(InputFileError, match=r"input file .*z.parquet is corrupt \(row group 0 of 1\)"):
+        run_loop(blocks(), loop, None)
+    (part,) = out.part_files()            # the rows read before it are committed (--resume goes on from them)
+    assert pq.read_table(part)["id"].to_pylist() == ["a0", "a1"] and not list(out.tmp.iterdir())
+    sources = read_footer(part, None).sources
+    assert sources.files == (inputs.files[0],) and sources.runs.tolist() == [[0, 0, 2]]
 
 
 # ---------------------------------------------------------------- error rows (preprocessing)
@@ -138,7 +218,7 @@ def test_bad_rows_become_error_rows_rows_in_equal_rows_out(tmp_path, weightless_
     inputs = preflight(cfg).inputs
     assert inputs.passthrough == ("../../escape", "meta", "blob")
     plan = PreprocessPlan(inputs=inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling)
-    out = preprocess_batch(pq.read_table(inputs.files[0]), plan)
+    out = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), plan)   # as the read task gives it
     assert out.num_rows == 2 * table.num_rows                      # rows in x n == rows out
     rows = {(r["id"], r["sample_index"]): r for r in out.to_pylist()}
     by_id = {r[0]: r for r in ROWS}
@@ -184,8 +264,8 @@ def test_oom_batches_split_and_retry_and_a_row_failing_alone_is_an_error_row(tmp
                   sampling={"max_new_tokens": 5, "temperature": 0.8, "seed": 3},
                   engine={"max_batch_size": 4, "max_seq_len": 48})
     inputs = preflight(cfg).inputs
-    batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt,
-                                                                             cfg.sampling))
+    batch = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt,
+                                                                                 cfg.sampling))
     clean = {r["id"]: r for r in asyncio.run(_stage(cfg)(batch)).to_pylist()}
     faulty = asyncio.run(_stage(cfg, "oom_if_batch_gt:2,oom_on_id:r3")(batch)).to_pylist()
     log = capsys.readouterr().out
@@ -223,7 +303,7 @@ def test_shards_with_differing_schemas_preprocess_to_one_schema(tmp_path, weight
     inputs = preflight(cfg).inputs
     assert inputs.num_rows == 3 and inputs.schema.field("big").type == pa.float64()
     plan = PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling)
-    outs = [preprocess_batch(pq.read_table(f), plan) for f in inputs.files]
+    outs = [preprocess_batch(read_file(inputs, i, cfg.sampling.n), plan) for i in range(len(inputs.files))]
     assert [t.num_rows for t in outs] == [2, 1, 0]
     assert all(t.schema.field("big").type == pa.float64() for t in outs[:2])
     assert outs[0]["big"].to_pylist() == [float(2 ** 52 + 1), 3.0] and outs[1]["big"].to_pylist() == [0.5]

@@ -43,8 +43,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
-ROWS = 32                 # one shard; batch_size 2 -> 16 batches, 8 in flight at a time (2 actors x 4)
-SLEEP_PER_BATCH = 2.5     # seconds each batch takes longer (ORTHRUS_FAULT_INJECT=sleep_per_batch:S)
+ROWS = 40                 # one shard; batch_size 2 -> 20 batches, 8 in flight at a time (2 actors x 4)
+SLEEP_PER_BATCH = 3.0     # seconds each batch takes longer (ORTHRUS_FAULT_INJECT=sleep_per_batch:S)
 JOB_TIMEOUT = 240         # seconds a job may take before the test calls it a hang
 HEAD_LOSS_GRACE = 20      # seconds a driver whose head died may take to end by itself (then SIGKILL)
 

@@ -20,6 +20,7 @@ from pipeline.config import AuditConfig
 from pipeline.actor.engine_loop import EngineLoop
 from pipeline.run.job import preflight
 from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.rows.source import read_file
 from pipeline.report.progress import Progress
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.report.summary import render_table
@@ -31,7 +32,7 @@ BUNDLED = str(TOKENIZER_DIR)   # the bundled trained model (its tokenizer dir is
 
 def _batch(tmp_path, cfg):
     inputs = preflight(cfg).inputs
-    return preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+    return preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
 
 
 def _stage(cfg, fraction: float = 0.0, row_timeout_s: float | None = None) -> GenerationStage:

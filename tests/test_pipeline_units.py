@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -19,6 +20,8 @@ from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from pipeline.rows import schema as S
 from pipeline.actor.postprocess import detokenize_batch
 from pipeline.rows.preprocess import PreprocessPlan, derive_seed, preprocess_batch
+from pipeline.rows.source import Pending, read_file
+from pipeline.output.sources import PartSources
 from pipeline.run.resources import check_engine_placement, resolve_placement
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.rows.schema import OUTPUT_FIELDS, key_strings, output_schema, to_output_table
@@ -70,10 +73,6 @@ def test_preflight_accepts_good_inputs_without_loading_weights(tmp_path, weightl
     (lambda t: _shard(t, "a.parquet", id=["x"], text=["p"]), r"input.prompt_column.*input.messages_column"),
     (lambda t: (_shard(t, "a.parquet", id=["x"], prompt=["p"]), _shard(t, "b.parquet", prompt=["q"])),
      r"input.id_column.*missing from 1 input file\(s\), e.g. .*b.parquet"),
-    (lambda t: (_shard(t, "a.parquet", id=["x"], prompt=["p"]), _shard(t, "b.parquet", id=["x"], prompt=["q"])),
-     r"1 duplicate id\(s\), e.g. 'x'"),
-    (lambda t: _shard(t, "a.parquet", id=pa.array([None, "y"], pa.string()), prompt=["p", "q"]),
-     r"a.parquet: 1 row\(s\) have a null 'id'"),
     (lambda t: _shard(t, "a.parquet", id=["x"], prompt=["p"], completion=["c"]), r"'completion' clashes"),
     (lambda t: _shard(t, "a.parquet", id=["x"], prompt=[1]), r"'prompt' has type int64"),
     (lambda t: _shard(t, "a.parquet", id=["x"], prompt=["p"], top_k=["a"]), r"'top_k' has type string"),
@@ -127,9 +126,13 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
     (tmp_path / "in").mkdir()
     pq.write_table(batch, tmp_path / "in" / "a.parquet")
     cfg = _config(tmp_path, weightless_model, sampling={"n": 2, "seed": 7, "temperature": 0.9})
-    plan = PreprocessPlan(inputs=preflight(cfg).inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling,
-                          finished=key_strings(pa.array(["ok-prompt"]), pa.array([1])))
-    out = preprocess_batch(batch, plan).to_pylist()
+    inputs = preflight(cfg).inputs
+    plan = PreprocessPlan(inputs=inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling)
+    # sample 1 of row 1 ("ok-prompt") is already committed: the read task leaves it out
+    done = Pending(2, (np.array([], np.int64), np.array([1])), (np.array([], np.int64), np.array([2])))
+    from pipeline.rows.source import ReadSpec, read_row_group, row_group_tasks
+    (task,) = row_group_tasks(inputs, {inputs.files[0]: done})
+    out = preprocess_batch(read_row_group(task, ReadSpec.of(inputs), 2), plan).to_pylist()
     assert [(r["id"], r["sample_index"]) for r in out] == [
         ("ok-msg", 0), ("ok-msg", 1), ("ok-prompt", 0), ("neither", 0), ("neither", 1), ("bad-msg", 0),
         ("bad-msg", 1), ("bad-temp", 0), ("bad-temp", 1), ("bad-topk", 0), ("bad-topk", 1)]  # ok-prompt/1 done
@@ -154,9 +157,9 @@ def test_preprocess_batch_from_a_file_lacking_optional_columns(tmp_path, weightl
     cfg = _config(tmp_path, weightless_model)
     inputs = preflight(cfg).inputs
     plan = PreprocessPlan(inputs=inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling)
-    row = preprocess_batch(pq.read_table(inputs.files[1]), plan).to_pylist()[0]  # no prompt/seed/source
+    row = preprocess_batch(read_file(inputs, 1, 1), plan).to_pylist()[0]  # no prompt/seed/source
     assert row["error"] is None and row["seed"] == derive_seed(0, "b", 0) and "source" not in row
-    assert preprocess_batch(pq.read_table(inputs.files[0]), plan).to_pylist()[0]["seed"] == 5
+    assert preprocess_batch(read_file(inputs, 0, 1), plan).to_pylist()[0]["seed"] == 5
 
 
 def test_derived_seeds_are_deterministic_and_distinct():
@@ -175,7 +178,7 @@ def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_d
     cfg = _config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"},
                   sampling={"max_new_tokens": 3, "stop_token_ids": [first]}, engine={"max_seq_len": 64})
     inputs = preflight(cfg).inputs
-    batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+    batch = preprocess_batch(read_file(inputs, 0, 1), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
     stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
     rows = {r["id"]: r for r in asyncio.run(stage(batch)).to_pylist()}
     stop = rows["stop"]  # stopped on its first token: counted, but not part of the text
@@ -207,11 +210,18 @@ def test_output_commits_are_atomic_and_keyed(tmp_path):
     schema = output_schema([pa.field("source", pa.string())])
     rows = pa.table({"id": ["a", "b"], "sample_index": [0, 1], "finish_reason": ["length", "error"],
                      "source": [None, None]})
-    part = out.commit(to_output_table(rows, schema))
-    assert part.parent == out.data and not list(out.tmp.iterdir())
+    # input rows 0 and 1 of f.parquet, samples 0 and 1 of n = 2: flat indices 0 and 3
+    sources = PartSources(2, ("/in/f.parquet",), np.array([[0, 0, 1], [0, 3, 1]]))
+    part = out.commit(to_output_table(rows, schema), sources)
+    assert Path(part).parent == out.store.root / "data" and not list(out.tmp.iterdir())
     (out.tmp / "part-x.parquet.inprogress").write_bytes(b"half a file")  # what a kill leaves behind
     assert out.read().schema == schema and out.read().num_rows == 2
-    assert sorted(out.finished_keys().to_pylist()) == ["a\x1f0", "b\x1f1"]
+    done, total, _ = out.done()
+    assert total["rows"] == 2 and total["error"] == 1 and done.rows == 2
+    pending = done.pending(("/in/f.parquet", "/in/g.parquet"), (3, 1), 2)
+    assert pending["/in/g.parquet"] is None                     # untouched: read in full
+    left = pending["/in/f.parquet"].samples(np.arange(3)).to_pylist()
+    assert left == [[1], [0], [0, 1]]                           # row 0 sample 0 and row 1 sample 1 are done
     out2 = OutputDir(str(tmp_path / "out"))
     out2.prepare(BehaviourConfig(resume=True), {"model": "m"})
     assert not list(out2.tmp.iterdir()) and out2.read().num_rows == 2
@@ -265,9 +275,9 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     from pipeline.report.throughput import ThroughputTracker
 
     def block(call: str, tokens: int, occupancy: list[int], started: float | None = None) -> pa.Table:
-        return pa.table({S.ACTOR: ["a", "a"], S.GPU_IDS: ["", ""], S.CALL_ID: [call, call],
-                         S.CALL_SECONDS: [1.0, 1.0], "num_completion_tokens": [tokens, tokens],
-                         S.OCCUPANCY: [occupancy, occupancy], S.CALL_STARTED: pa.array([started] * 2, pa.float64())})
+        record = {"actor": "a", "gpu_ids": "", "call_id": call, "rows": 2, "tokens": 2 * tokens, "seconds": 1.0,
+                  "started": started, "occupancy": occupancy}
+        return pa.table({S.BATCH: pa.array([record, None], S.BATCH_RECORD)})
 
     tracker = ThroughputTracker()
     start = time.time()

@@ -122,21 +122,31 @@ def test_inputs_on_s3_prefixes_globs_files_and_hive_partitions(s3):
 
 # ---------------------------------------------------------------- output: one PUT per part
 
+def _sources(ids: list[str]):
+    """Footer sources for rows with these ids: id 'a' is row 0 of one input file, 'b' row 1, ..."""
+    import numpy as np
+
+    from pipeline.output.sources import PartSources
+
+    return PartSources(1, ("bkt/in/a.parquet",), np.array([[0, ord(i) - ord("a"), 1] for i in ids], np.int64))
+
+
 def test_object_output_commits_reads_back_and_refuses_like_a_local_dir(s3):
-    from pipeline.output.object_directory import ObjectOutputDir
+    from pipeline.output.directory import OutputDir
     from pipeline.output.repair import dedupe, retry_errors
 
     loc = locate("s3://bkt/out1", s3["storage"], "output.path")
+    ObjectOutputDir = lambda loc: OutputDir(loc.uri, s3["storage"])  # noqa: E731
     out = ObjectOutputDir(loc)
     out.check(BehaviourConfig(), ("bkt/in",), ("bkt/in/a.parquet",), "m", "s3")
     assert not s3["fs"].get_file_info(pafs.FileSelector("bkt/out1", allow_not_found=True))  # the probe: no trace
     out.prepare(BehaviourConfig(), {"model": "m"})
     rows = lambda ids, reason="stop": pa.table({"id": ids, "sample_index": [0] * len(ids),  # noqa: E731
                                                 "finish_reason": [reason] * len(ids)})
-    out.commit(rows(["a", "b"]))
-    out.commit(rows(["c"], "error"))
-    out.commit(rows(["a"]))                                        # as if two jobs had written
-    assert len(out.part_files()) == 3 and out.duplicates() == (1, "a")
+    out.commit(rows(["a", "b"]), _sources(["a", "b"]))
+    out.commit(rows(["c"], "error"), _sources(["c"]))
+    out.commit(rows(["a"]), _sources(["a"]))                       # as if two jobs had written
+    assert len(out.part_files()) == 3 and out.duplicates() == (1, "'a' (sample 0)")
     with pytest.raises(ConfigError, match="already holds output"):
         ObjectOutputDir(loc).check(BehaviourConfig(), (), (), "m", "s3")
     with pytest.raises(ConfigError, match="duplicate.*--dedupe"):
@@ -145,7 +155,8 @@ def test_object_output_commits_reads_back_and_refuses_like_a_local_dir(s3):
         ObjectOutputDir(loc).check(BehaviourConfig(), ("bkt",), (), "m", "s3")
     assert dedupe(out) == 1 and len(out.part_files()) == 2         # the emptied part is gone
     assert retry_errors(out) == 1
-    assert sorted(out.finished_keys().to_pylist()) == ["a\x1f0", "b\x1f0"]
+    assert sorted(out.read(["id"])["id"].to_pylist()) == ["a", "b"]
+    assert out.done()[1]["rows"] == 2 and out.done()[1]["error"] == 0     # the footers were rewritten too
     retried = s3["fs"].get_file_info(pafs.FileSelector("bkt/out1/retried"))
     assert len(retried) == 1 and pq.read_table(retried[0].path, filesystem=s3["fs"])["id"].to_pylist() == ["c"]
     ObjectOutputDir(loc).check(BehaviourConfig(resume=True), (), (), "m", "s3")   # a clean resume is allowed
@@ -190,8 +201,7 @@ def test_of_jobs_racing_for_an_object_store_lease_exactly_one_wins(s3):
 
 def test_object_lease_refuses_a_live_holder_takes_over_a_dead_one_and_stops_commits_when_lost(s3):
     from pipeline.storage.lease import check_free, take_lease
-    from pipeline.output.object_directory import ObjectOutputDir
-    from pipeline.output.directory import OutputWriteError
+    from pipeline.output.directory import OutputDir, OutputWriteError
 
     loc = locate("s3://bkt/leased", s3["storage"], "output.path")
     first = take_lease(loc, "first")
@@ -209,15 +219,15 @@ def test_object_lease_refuses_a_live_holder_takes_over_a_dead_one_and_stops_comm
              "state": "held"}
     with s3["fs"].open_output_stream("bkt/leased/_leases/t.json") as f:
         f.write(json.dumps(stale).encode())
-    out = ObjectOutputDir(loc)
+    out = OutputDir(loc.uri, s3["storage"])
     out.lease = take_lease(loc, out.run_id).acquire()
     out.prepare(BehaviourConfig(), {})
-    out.commit(pa.table({"id": ["a"], "sample_index": [0]}))
+    out.commit(pa.table({"id": ["a"], "sample_index": [0]}), _sources(["a"]))
     # Another live holder appears (a mistaken takeover elsewhere): this one commits nothing more.
     with s3["fs"].open_output_stream("bkt/leased/_leases/u.json") as f:
         f.write(json.dumps({**stale, "run_id": "other", "pid": os.getpid(), "token": "u"}).encode())
     with pytest.raises(OutputWriteError, match="lost the lease on output.path s3://bkt/leased"):
-        out.commit(pa.table({"id": ["b"], "sample_index": [0]}))
+        out.commit(pa.table({"id": ["b"], "sample_index": [0]}), _sources(["b"]))
     assert len(out.part_files()) == 1
     out.lease.release()
 
@@ -316,10 +326,10 @@ os._exit(9)                           # killed before the upload completes
 
 
 def test_an_upload_cut_short_never_becomes_a_part(s3):
-    from pipeline.output.object_directory import ObjectOutputDir
+    from pipeline.output.directory import OutputDir
 
     proc = subprocess.run([sys.executable, "-c", _CUT_SHORT, s3["endpoint"]], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 9 and "written" in proc.stdout, proc.stderr[-2000:]
-    out = ObjectOutputDir(locate("s3://bkt/cut", s3["storage"], "output.path"))
-    assert out.part_files() == [] and out.finished_keys().to_pylist() == []
+    out = OutputDir("s3://bkt/cut", s3["storage"])
+    assert out.part_files() == [] and out.done()[0].rows == 0

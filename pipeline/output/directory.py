@@ -241,7 +241,7 @@ class OutputDir:
         merged, twice = done.merged()
         if not twice:
             return 0, None
-        return twice, _example_duplicate(footers)
+        return twice, _example_duplicate(footers, self.fs)
 
     def commit(self, table: pa.Table, sources: PartSources, stats: dict | None = None,
                dest: str | None = None, times_ns=None) -> str:
@@ -268,17 +268,22 @@ class OutputDir:
         return pds.dataset(files, format="parquet", schema=schema, filesystem=self.fs).to_table(columns=present)
 
 
-def _example_duplicate(footers: list[Footer]) -> str:
-    """'row R of <file> (sample s)' for one coordinate two parts (or one part twice) hold."""
+def _example_duplicate(footers: list[Footer], fs) -> str:
+    """The id and sample index of one row that two parts (or one part twice) hold. Only on the
+    error path: walks ranges pairwise until the first overlap, then reads one column of one part."""
     seen: dict[tuple[str, int], list] = {}
     for f in footers:
-        for path, ranges in f.sources.flat_ranges().items():
-            for a, b in ranges.tolist():
-                for c, d in seen.get((path, f.sources.n), []):
-                    lo = max(a, c)
-                    if lo < min(b, d):
-                        return f"row {lo // f.sources.n} of {path} (sample {lo % f.sources.n})"
-                seen.setdefault((path, f.sources.n), []).append((a, b))
+        position = 0
+        for file_index, start, count in f.sources.runs.tolist():
+            key = (f.sources.files[file_index], f.sources.n)
+            for c, d in seen.get(key, []):
+                lo = max(start, c)
+                if lo < min(start + count, d):
+                    row = pq.read_table(f.path, columns=["id", "sample_index"], filesystem=fs).slice(
+                        position + lo - start, 1).to_pylist()[0]
+                    return f"{row['id']!r} (sample {row['sample_index']})"
+            seen.setdefault(key, []).append((start, start + count))
+            position += count
     return "unknown"
 
 

@@ -122,8 +122,9 @@ def of_table(table: pa.Table) -> dict:
             "speculation": _speculation(ok), "histogram": _histogram(_column(ok, "accept_length_histogram",
                                                                               pa.list_(pa.int64()))),
             "times": times, "audit": _audit(table),
-            "error_examples": [{"id": i, "error": e} for i, e in zip(errors["id"].slice(0, EXAMPLES).to_pylist(),
-                                                                     errors["error"].slice(0, EXAMPLES).to_pylist())]}
+            "error_examples": [{"id": i, "error": e} for i, e in zip(
+                _column(errors, "id", pa.string()).slice(0, EXAMPLES).to_pylist(),
+                _column(errors, "error", pa.string()).slice(0, EXAMPLES).to_pylist())]}
 
 
 def empty() -> dict:

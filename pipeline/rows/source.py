@@ -198,6 +198,8 @@ def make_datasource(plan: InputPlan, pending: dict[str, Pending | None], n: int)
 def read_file(plan: InputPlan, index: int, n: int) -> pa.Table:
     """All of input file ``index`` as the read tasks give it, nothing finished (tests and tools)."""
     path = plan.files[index]
-    tasks = row_group_tasks(plan, {path: None})
+    tasks = [t for t in row_group_tasks(plan, {path: None}) if t.path == path]
+    if not tasks and plan.row_groups[index]:   # no rows, so no read task: its empty first group has the columns
+        tasks = [RowGroupTask(index, path, 0, len(plan.row_groups[index]), 0, 0, None)]
     spec = ReadSpec.of(plan)
-    return pa.concat_tables([read_row_group(t, spec, n) for t in tasks if t.path == path])
+    return pa.concat_tables([read_row_group(t, spec, n) for t in tasks])
