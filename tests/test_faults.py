@@ -15,6 +15,7 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,8 +24,10 @@ from jobs.generate import main
 from pipeline.config import BehaviourConfig, ConfigError, load_config
 from pipeline.run.job import preflight
 from pipeline.output.directory import OutputDir, OutputWriteError
+from pipeline.output.sources import PartSources
 from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.rows.schema import output_schema, to_output_table
+from pipeline.rows.source import read_file
 from pipeline.actor.stage import GenerationStage, StagePlan
 from test_pipeline_units import _config, _shard, weightless_model  # noqa: F401 - fixture reused
 
@@ -78,12 +81,16 @@ def test_unwritable_output_fails_before_anything_runs(tmp_path, weightless_model
     assert _tree(tmp_path) == before  # the write probe leaves no trace
 
 
-def _part(rows: int, seed: int) -> pa.Table:
-    """A part of incompressible completions (fills a small disk quickly)."""
+INPUT = "/in/f.parquet"
+
+
+def _part(rows: int, seed: int) -> tuple[pa.Table, PartSources]:
+    """A part of incompressible completions (fills a small disk quickly): rows ``seed * rows`` on of
+    one input file (n = 1), and its sources."""
     text = [os.urandom(64).hex() for _ in range(rows)]
     t = pa.table({"id": [f"{seed}-{i}" for i in range(rows)], "sample_index": [0] * rows, "completion": text,
                   "finish_reason": ["length"] * rows})
-    return to_output_table(t, output_schema([]))
+    return to_output_table(t, output_schema([])), PartSources(1, (INPUT,), np.array([[0, seed * rows, rows]]))
 
 
 def test_disk_full_commit_leaves_only_complete_parts(tmp_path):
@@ -92,14 +99,18 @@ def test_disk_full_commit_leaves_only_complete_parts(tmp_path):
         out.prepare(BehaviourConfig(), {"model": "m"})
         with pytest.raises(OutputWriteError) as err:
             for seed in range(100):
-                out.commit(_part(200, seed))
+                out.commit(*_part(200, seed))
         msg = str(err.value)
         assert "No space left on device" in msg and "--resume" in msg and f"{out.committed} part file(s)" in msg
         assert out.committed >= 1 and not list(out.tmp.iterdir())  # no half-written file anywhere
         parts = out.part_files()
         assert len(parts) == out.committed and all(pq.read_table(p).num_rows == 200 for p in parts)
-        keys = out.finished_keys().to_pylist()  # what resume would skip: exactly the committed rows
+        keys = out.read(["id"])["id"].to_pylist()
         assert len(keys) == len(set(keys)) == 200 * out.committed
+        done, total, _ = out.done()    # what resume would skip (footers): exactly the committed rows, once each
+        merged, twice = done.merged()
+        assert twice == 0 and done.rows == total["rows"] == 200 * out.committed
+        assert merged[(INPUT, 1)].tolist() == [[0, 200 * out.committed]]
 
 
 def test_disk_full_at_start_is_a_clear_error(tmp_path, weightless_model):
@@ -158,8 +169,8 @@ def test_planted_code_in_checkpoint_is_never_executed(tmp_path, tiny_orthrus_dir
     _shard(tmp_path, "a.parquet", id=["x"], prompt=["def f(x):"])
     cfg = _config(tmp_path, model, sampling={"max_new_tokens": 3})
     inputs = preflight(cfg).inputs  # loads the tokenizer
-    batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt,
-                                                                             cfg.sampling))
+    batch = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt,
+                                                                                 cfg.sampling))
     stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
     row = asyncio.run(stage(batch)).to_pylist()[0]
     assert row["error"] is None and row["num_completion_tokens"] >= 1
