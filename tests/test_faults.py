@@ -85,8 +85,8 @@ INPUT = "/in/f.parquet"
 
 
 def _part(rows: int, seed: int) -> tuple[pa.Table, PartSources]:
-    """A part of incompressible completions (fills a small disk quickly): rows ``seed * rows`` on of
-    one input file (n = 1), and its sources."""
+    """A part of incompressible completions (fills a small disk quickly): rows ``seed * rows`` to
+    ``(seed + 1) * rows`` of one input file (n = 1), and its sources."""
     text = [os.urandom(64).hex() for _ in range(rows)]
     t = pa.table({"id": [f"{seed}-{i}" for i in range(rows)], "sample_index": [0] * rows, "completion": text,
                   "finish_reason": ["length"] * rows})
@@ -111,6 +111,10 @@ def test_disk_full_commit_leaves_only_complete_parts(tmp_path):
         merged, twice = done.merged()
         assert twice == 0 and done.rows == total["rows"] == 200 * out.committed
         assert merged[(INPUT, 1)].tolist() == [[0, 200 * out.committed]]
+        assert done.pending((INPUT,), (200 * out.committed,), 1) == {}     # an input of just those rows: finished
+        more = 200 * (out.committed + 1)                                   # one part longer: only the rest is left
+        left = done.pending((INPUT,), (more,), 1)[INPUT].samples(np.arange(more)).to_pylist()
+        assert [row for row, samples in enumerate(left) if samples] == list(range(200 * out.committed, more))
 
 
 def test_disk_full_at_start_is_a_clear_error(tmp_path, weightless_model):

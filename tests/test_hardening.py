@@ -1,10 +1,12 @@
 """Hostile rows, extreme values and unusual column types, without Ray: each becomes an error row, its
-limit, a lossless conversion, or an up-front refusal naming the column and the file.
+limit, a lossless conversion, or a refusal naming the column and the file (up front with
+``input.verify: full``, else by the file's read task).
 
 The same inputs run end to end through a real Ray head in ``tests/test_hardening_ray.py``.
 """
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -13,8 +15,11 @@ import torch
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.sampling import SamplingTensors, process
 from pipeline.config import ConfigError
+from pipeline.output.sources import PartSources
+from pipeline.rows.checks import verify_inputs
 from pipeline.run.job import preflight
 from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.rows.source import InputFileError, read_file
 from test_pipeline_units import _config, _shard, weightless_model  # noqa: F401 - fixture reused
 
 MSG = '[{"role": "user", "content": "%s"}]'
@@ -48,7 +53,8 @@ def test_hostile_rows_become_error_rows_and_extreme_values_their_limits(tmp_path
     pq.write_table(table, tmp_path / "in" / "hostile.parquet")
     cfg = _config(tmp_path, weightless_model, sampling={"n": 2})
     inputs = preflight(cfg).inputs
-    out = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+    out = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt,
+                                                                               cfg.sampling))
     assert out.num_rows == 2 * table.num_rows                          # rows in x n == rows out
     for r in out.to_pylist():
         want = expected[r["id"]]
@@ -102,10 +108,13 @@ def test_view_types_and_hive_partitions_pass_through(tmp_path, weightless_model)
     assert inputs.passthrough == ("v", "lv", "bv", "lang", "year")
     assert [f.type for f in inputs.passthrough_fields] == [pa.string(), pa.list_(pa.int64()), pa.binary(),
                                                            pa.string(), pa.string()]
-    batch = pq.read_table(inputs.files[0], partitioning=None)
-    out = preprocess_batch(batch, PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
-    assert out.select(["v", "lv", "bv"]).to_pylist() == [{"v": "s", "lv": [1], "bv": b"x"},
-                                                          {"v": "t", "lv": [2, 3], "bv": b"y"}]
+    plan = PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling)
+    out = preprocess_batch(read_file(inputs, 0, 1), plan)                 # the read task sets the partition keys
+    assert out.select(["v", "lv", "bv", "lang", "year"]).to_pylist() == [
+        {"v": "s", "lv": [1], "bv": b"x", "lang": "en", "year": "2024"},
+        {"v": "t", "lv": [2, 3], "bv": b"y", "lang": "en", "year": "2024"}]
+    other = preprocess_batch(read_file(inputs, 1, 1), plan)               # a file without the view columns
+    assert other.select(["id", "lang", "year"]).to_pylist() == [{"id": "c", "lang": "fr", "year": "2025"}]
 
 
 @pytest.mark.parametrize("second, message", [
@@ -115,8 +124,12 @@ def test_view_types_and_hive_partitions_pass_through(tmp_path, weightless_model)
 def test_a_column_that_cannot_be_carried_is_refused_up_front(tmp_path, weightless_model, second, message):
     _shard(tmp_path, "a.parquet", id=["a", "b"], prompt=["p", "q"], big=pa.array([2 ** 60 + 1, 3], pa.int64()))
     _shard(tmp_path, "b.parquet", id=["c"], prompt=["r"], big=second)
+    inputs = preflight(_config(tmp_path, weightless_model)).inputs    # footers only: the values are read later
     with pytest.raises(ConfigError, match=message):
-        preflight(_config(tmp_path, weightless_model))
+        verify_inputs(inputs)                     # input.verify: full, before any actor loads the model
+    with pytest.raises(InputFileError, match=message):
+        read_file(inputs, 0, 1)                   # otherwise a.parquet's read task, mid-run (exit 2)
+    assert read_file(inputs, 1, 1)["big"].to_pylist() == [0.5]        # the other file is carried
 
 
 def test_a_partition_key_that_is_also_a_column_is_refused(tmp_path, weightless_model):
@@ -237,14 +250,14 @@ def test_a_lost_lease_stops_commits(tmp_path, monkeypatch):
     out = OutputDir(str(tmp_path / "out"))
     out.lease = L.take_lease(out.root, out.run_id).acquire()
     out.prepare(BehaviourConfig(), {})
-    out.commit(pa.table({"id": ["a"], "sample_index": [0]}))
+    out.commit(pa.table({"id": ["a"], "sample_index": [0]}), PartSources(1, ("f",), np.array([[0, 0, 1]])))
     info = json.loads((out.root / "_lease.json").read_text())
     (out.root / "_lease.json").write_text(json.dumps({**info, "token": "someone else"}))   # a mistaken takeover
     deadline = time.time() + 10
     while not out.lease.lost and time.time() < deadline:
         time.sleep(0.02)
     with pytest.raises(OutputWriteError, match="lost the lease on output.path"):
-        out.commit(pa.table({"id": ["b"], "sample_index": [0]}))
+        out.commit(pa.table({"id": ["b"], "sample_index": [0]}), PartSources(1, ("f",), np.array([[0, 1, 1]])))
     out.lease.release()
     assert (out.root / "_lease.json").exists()                        # not ours: left alone
 
@@ -256,15 +269,24 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
     from pipeline.output.directory import OutputDir
     from pipeline.output.repair import dedupe
 
-    _shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["p", "q", "r"])
+    path = str(_shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["p", "q", "r"]).resolve())
+    row = {"a": 0, "b": 1, "c": 2}                                   # each id's row in a.parquet: its coordinate
+
+    def commit(ids: list[str], completions: list[str]) -> None:
+        flat = np.array([row[i] for i in ids])
+        runs = np.stack([np.zeros(len(ids), np.int64), flat, np.ones(len(ids), np.int64)], axis=1)
+        out.commit(pa.table({"id": ids, "sample_index": [0] * len(ids), "completion": completions}),
+                   PartSources(1, (path,), runs))
+
     out = OutputDir(str(tmp_path / "out"))
     out.prepare(BehaviourConfig(), {"model": str(weightless_model)})
-    out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "completion": ["first-a", "first-b"]}))
+    commit(["a", "b"], ["first-a", "first-b"])
     time.sleep(0.01)
-    out.commit(pa.table({"id": ["b", "c", "c"], "sample_index": [0, 0, 0], "completion": ["second-b", "c1", "c2"]}))
+    commit(["b", "c", "c"], ["second-b", "c1", "c2"])
     time.sleep(0.01)
-    out.commit(pa.table({"id": ["a"], "sample_index": [0], "completion": ["third-a"]}))     # a part of copies only
-    with pytest.raises(ConfigError, match=r"holds 3 duplicate \(id, sample_index\) row\(s\).*rerun with --dedupe"):
+    commit(["a"], ["third-a"])                                                               # a part of copies only
+    with pytest.raises(ConfigError, match=r"holds 3 duplicate \(id, sample_index\) row\(s\), e.g. 'b' \(sample 0\)"
+                                          r".*rerun with --dedupe"):
         preflight(_config(tmp_path, weightless_model, behaviour={"resume": True}))
     prepared = preflight(_config(tmp_path, weightless_model, behaviour={"resume": True, "dedupe": True}))
     prepared.out.prepare(prepared.config.behaviour, {"model": str(weightless_model)})
@@ -273,6 +295,8 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
     assert rows == [("a", "first-a"), ("b", "first-b"), ("c", "c1")]
     assert dedupe(prepared.out) == 0 and prepared.out.duplicates() == (0, None)
     assert not list(prepared.out.tmp.iterdir())
+    done, total, _ = prepared.out.done()                            # the footers say what the parts still hold
+    assert done.rows == total["rows"] == 3 and done.pending((path,), (3,), 1) == {}
 
 
 def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
@@ -292,11 +316,17 @@ def test_retry_errors_moves_error_rows_out_of_data_keeping_each_key_once(tmp_pat
 
     out = OutputDir(str(tmp_path / "out"))
     out.prepare(BehaviourConfig(), {})
-    out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "finish_reason": ["stop", "error"]}))
-    out.commit(pa.table({"id": ["c"], "sample_index": [0], "finish_reason": ["length"]}))
+    f = "/in/f.parquet"                                            # ids a, b, c are its rows 0, 1, 2
+    out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "finish_reason": ["stop", "error"]}),
+               PartSources(1, (f,), np.array([[0, 0, 2]])))
+    out.commit(pa.table({"id": ["c"], "sample_index": [0], "finish_reason": ["length"]}),
+               PartSources(1, (f,), np.array([[0, 2, 1]])))
     assert retry_errors(out) == 1
     assert sorted(r["id"] for r in out.read().to_pylist()) == ["a", "c"]          # "b" will be generated again
     assert [r["id"] for r in pq.read_table(out.root / "retried").to_pylist()] == ["b"]
+    done, total, _ = out.done()                                    # resume reads footers: only b's row is left
+    assert total["rows"] == 2 and total["error"] == 0 and done.merged()[1] == 0
+    assert done.pending((f,), (3,), 1)[f].samples(np.arange(3)).to_pylist() == [[], [0], []]
     assert retry_errors(out) == 0 and not list(out.tmp.iterdir())
 
 

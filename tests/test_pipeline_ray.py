@@ -222,7 +222,7 @@ def test_completions_equal_direct_engine_output(e2e, tiny_orthrus_dir):
 def test_two_logical_gpus_two_actors_distinct_ids(e2e):
     actors = e2e["summary"]["run"]["actors"]
     assert e2e["summary"]["run"]["placement"]["replicas"] == 2
-    assert len(actors) == 2 and all(a["rows"] > 0 for a in actors), actors
+    assert len(actors) == 2 and all(a["rows"] > 0 for a in actors), (actors, [l for l in e2e["log"].splitlines() if "actor" in l])
     assert sorted(tuple(a["gpu_ids"]) for a in actors) == [(0,), (1,)]
     assert sum(a["rows"] for a in actors) == 46
 

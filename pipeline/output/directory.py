@@ -249,8 +249,10 @@ class OutputDir:
         from pipeline.output.parts import write_part
 
         self.check_lease()
+        new = dest is None                   # a new part (not a repair's rewrite of one): counted
         dest = dest or self.new_part_path()
         write_part(self, dest, [table], table.schema, sources, stats or St.of_table(table), times_ns)
+        self.committed += new
         return dest
 
     def read_part(self, part: str) -> pa.Table:
