@@ -262,7 +262,7 @@ def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthr
         _shard(tmp_path / "in" / f"k{s}.parquet", id=[f"k{s}-{i}" for i in range(24)],
                prompt=[f"def k{s}_{i}(a):" for i in range(24)])
     out = tmp_path / "out"
-    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(out)},
+    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(out), "part_seconds": 0.5},
            "model": {"path": str(tiny_orthrus_dir)}, "prompt": {"chat_template": "off"},
            "sampling": {"max_new_tokens": 48},
            # many small AR batches: the job runs long enough to be killed between commits
