@@ -11,8 +11,10 @@ resume). The job holds an exclusive lease on its output directory
 (``pipeline/storage/lease.py``) from before Ray starts to the end.
 
 Exit status: 0 done; 1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``:
-``--resume`` continues); 2 refused before any model loaded (config, inputs, output dir, or another
-job holds the directory); 3 writing the output failed mid-run (disk full, permissions, a lost
+``--resume`` continues); 2 refused (config, inputs, output dir, or another job holds the directory;
+before any model loads, except a duplicate id, found before the first commit, and an input file
+that turns out unreadable mid-run: its message names the file and row group, the parts committed
+are complete, and ``--resume`` continues once it is fixed); 3 writing the output failed mid-run (disk full, permissions, a lost
 lease) -- the parts already committed are complete, so fix the cause and rerun with ``--resume``;
 4 crashed (an unexpected exception): one paragraph on stderr, the traceback in
 ``<output>/_logs/crash-*.log``.
@@ -27,6 +29,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.run.job import preflight, run, take_lease
 from pipeline.run.crash import crash_message
 from pipeline.output.directory import OutputWriteError
+from pipeline.rows.source import InputFileError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             prepared.out.lease = lease
             summary = run(prepared, connect(args.address))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _shutdown_ray()
+        print(f"error: {e.message if isinstance(e, InputFileError) else e}", file=sys.stderr)
         return 2
     except OutputWriteError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -93,7 +93,8 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None) -> bool:
         found = input_error(e)
         if found is not None:
             loop.commit()
-            raise found from e
+            raise InputFileError(f"{found.message}. The parts committed so far are complete; fix or remove the "
+                                 "file, then rerun with --resume") from e
         loop.writer.abort()
         raise
     finally:
