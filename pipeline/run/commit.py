@@ -57,11 +57,13 @@ class CommitLoop:
         self.writer.commit()
 
 
-def run_loop(blocks, loop: CommitLoop, deadline: float | None) -> bool:
+def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> bool:
     """Commit every block of the ``blocks`` iterator → whether the deadline (``time.time()``) stopped it.
 
     An input file found unreadable mid-run (:class:`InputFileError`) commits the open part (its rows
-    are good) and is raised; any other failure drops the open part.
+    are good) and is raised; any other failure drops the open part. ``halt`` stops the producer when
+    the loop ends early (the deadline, a failure): the pump may be waiting inside the iterator for a
+    block that would take minutes, and the producer must stop while Ray is still up.
     """
     pending: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
@@ -99,6 +101,8 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None) -> bool:
         raise
     finally:
         stop.set()
+        if pump.is_alive() and halt is not None:
+            halt()
         pump.join(timeout=30)      # the pump closes the iterator (see _pump) before Ray may shut down
 
 

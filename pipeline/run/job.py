@@ -125,6 +125,22 @@ def _loop(config: JobConfig, inputs: InputPlan, out: OutputDir, done_rows: int, 
     return CommitLoop(writer, writer.schema, tracker, progress, ids_checked)
 
 
+def _halt(dataset) -> None:
+    """Stop a running dataset's streaming executor now (its tasks and actors are cancelled).
+
+    Ray Data keeps the executor of an ``iter_batches`` on the dataset and shuts it down itself only
+    when the dataset is garbage-collected; by then Ray may be shutting down, and its threads then
+    print a traceback after the summary (or take the process down). This calls the same shutdown
+    (``Dataset._synchronize_progress_bar``, Ray's own helper for exactly this) at a known moment.
+    """
+    if dataset is None:
+        return
+    try:
+        dataset._synchronize_progress_bar()
+    except Exception as e:  # noqa: BLE001 - best effort: the pump's join still bounds the wait
+        print(f"[orthrus] could not stop the dataset's executor: {type(e).__name__}: {e}", flush=True)
+
+
 def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
         echo: Callable[[str], None] = print) -> dict:
     """Run the dataset (Ray must be initialised), commit every block, write and return the summary."""
@@ -154,9 +170,10 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     try:
         ids_checked = checker.submit(check_ids, inputs)
         loop = _loop(config, inputs, out, finished, tracker, progress, ids_checked)
-        blocks = (build_dataset(config, inputs, pending, placement, stage_cls)
-                  .iter_batches(batch_size=None, batch_format="pyarrow") if pending else iter(()))
-        stopped = run_loop(iter(blocks), loop, None if limit is None else start + limit)
+        dataset = build_dataset(config, inputs, pending, placement, stage_cls) if pending else None
+        blocks = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if dataset is not None else ()
+        stopped = run_loop(iter(blocks), loop, None if limit is None else start + limit,
+                           halt=lambda: _halt(dataset))
         ids_checked.result()
     finally:
         progress.close()
