@@ -47,6 +47,7 @@ ROWS = 40                 # one shard; batch_size 2 -> 20 batches, 8 in flight a
 SLEEP_PER_BATCH = 3.0     # seconds each batch takes longer (ORTHRUS_FAULT_INJECT=sleep_per_batch:S)
 JOB_TIMEOUT = 240         # seconds a job may take before the test calls it a hang
 HEAD_LOSS_GRACE = 20      # seconds a driver whose head died may take to end by itself (then SIGKILL)
+GCS_RECONNECT_S = 5       # the driver's RAY_gcs_rpc_server_reconnect_timeout_s in that test (Ray's default: 60)
 
 # The helper that holds a Cluster. argv[1]: {"temp_dir": ...}. Replies are single lines starting with
 # "@@ " (anything else on its stdout is Ray's noise and is skipped).
@@ -124,7 +125,7 @@ class SimCluster:
         self._log = open(Path(self.temp) / "helper.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-c", CLUSTER_HELPER, json.dumps({"temp_dir": self.temp})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=_env(),
-                                     cwd=self.temp, start_new_session=True)
+                                     cwd=self.temp, start_new_session=True, bufsize=0)   # unbuffered: select()
         self.stopped = False
         info = self._reply(timeout=120)
         self.gcs, self.head, self.workers = info["gcs"], info["head"], info["workers"]
@@ -299,7 +300,7 @@ def test_head_lost_mid_run_then_resume_on_a_new_cluster_exactly_once(clusters, j
     cluster = clusters()
     # A driver whose GCS is gone retries it for gcs_rpc_server_reconnect_timeout_s (60 s by default),
     # then Ray ends the process (status 1, "Failed to connect to GCS within N seconds"): shortened here.
-    job = jobs(cfg, cluster.gcs, env={"RAY_gcs_rpc_server_reconnect_timeout_s": str(HEAD_LOSS_GRACE // 2)})
+    job = jobs(cfg, cluster.gcs, env={"RAY_gcs_rpc_server_reconnect_timeout_s": str(GCS_RECONNECT_S)})
     _wait_for_part(job, out)
     t_kill = time.time()
     cluster.command("kill_head")                                     # the driver's node, without grace

@@ -142,7 +142,6 @@ def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tm
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "behaviour.max_wall_seconds=20 reached" in proc.stdout and "rerun with --resume" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]   # a clean stop
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("  actor ")   # the summary table ends the output
     assert took < 20 + 30, f"the driver took {took:.0f} s to stop"
     summary = json.loads((out / "summary.json").read_text())
     done = _keys(out / "data" / name for name in _parts(out))
