@@ -51,6 +51,16 @@ class Pending:
     starts: tuple[np.ndarray, ...]
     ends: tuple[np.ndarray, ...]
 
+    def within(self, lo: int, hi: int) -> "Pending":
+        """Only the ranges that meet rows ``[lo, hi)`` (what one row group's task needs)."""
+        keep = [(e > lo) & (s < hi) for s, e in zip(self.starts, self.ends)]
+        return Pending(self.n, tuple(s[k] for s, k in zip(self.starts, keep)),
+                       tuple(e[k] for e, k in zip(self.ends, keep)))
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether every sample of rows ``[lo, hi)`` is done (the row group need not be read)."""
+        return all(bool(((s <= lo) & (e >= hi)).any()) for s, e in zip(self.starts, self.ends))
+
     def samples(self, rows: np.ndarray) -> pa.ListArray:
         """The pending sample indices of each row, as a list per row (empty: the row is done)."""
         done = np.zeros((len(rows), self.n), dtype=bool)
@@ -163,7 +173,9 @@ def row_group_tasks(plan: InputPlan, pending: dict[str, Pending | None]) -> list
         offset = 0
         for g, rows in enumerate(groups):
             if rows:
-                tasks.append(RowGroupTask(index, path, g, len(groups), offset, rows, pending[path]))
+                mine = pending[path].within(offset, offset + rows) if pending[path] is not None else None
+                if mine is None or not mine.covers(offset, offset + rows):
+                    tasks.append(RowGroupTask(index, path, g, len(groups), offset, rows, mine))
             offset += rows
     return tasks
 
