@@ -19,6 +19,7 @@ from pipeline.output.directory import OutputDir, OutputWriteError
 from pipeline.output.parts import PartWriter
 from pipeline.run.commit import CommitLoop, run_loop
 from pipeline.rows.checks import check_ids, verify_inputs
+from pipeline.rows.source import row_group_tasks
 from pipeline.report.progress import Progress
 from pipeline.rows.prompts import uses_chat_template
 from pipeline.output.directory import RETRIED_DIR
@@ -155,6 +156,8 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     _repairs(config, out, echo)
     done, _, _ = out.done()
     pending = done.pending(inputs.files, inputs.file_rows, config.sampling.n)
+    if not row_group_tasks(inputs, pending):    # every row group finished: nothing to read
+        pending = {}
     finished = done.rows
     echo(f"[orthrus] {inputs.num_rows} input rows x {config.sampling.n} samples in {len(inputs.files)} file(s); "
          f"{finished} already done ({len(inputs.files) - len(pending)} file(s) finished); {placement.replicas} "
