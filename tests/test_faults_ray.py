@@ -206,7 +206,8 @@ def test_disk_full_mid_run_clear_error_no_partial_files_then_resume(driver, tiny
 
     everything = _shards(tmp_path / "in", 1, 24)
     with mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=40k", "tmpfs") as small:
-        job = _job(tmp_path, tiny_orthrus_dir, output={"path": str(small / "out")},
+        # a part per batch (output.part_bytes: 1), so the disk fills between commits
+        job = _job(tmp_path, tiny_orthrus_dir, output={"path": str(small / "out"), "part_bytes": 1},
                    sampling={"max_new_tokens": 3},
                    # One batch in flight: with several, this in-process driver (pytest itself) was seen
                    # to exit silently with status 1 after the failed commit, about 1 run in 3 (see the
