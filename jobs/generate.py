@@ -22,6 +22,7 @@ lease) -- the parts already committed are complete, so fix the cause and rerun w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pipeline.run.cluster import connect
@@ -30,6 +31,7 @@ from pipeline.run.job import preflight, run, take_lease
 from pipeline.run.crash import crash_message
 from pipeline.output.directory import OutputWriteError
 from pipeline.rows.source import InputFileError
+from pipeline.run.commit import settle_ray_data_threads
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,5 +93,16 @@ def _shutdown_ray() -> None:
         pass
 
 
+def _exit(status: int) -> None:
+    """Exit with ``status``. If a Ray Data thread is still running, Ray's own shutdown at exit could
+    kill the process with status 1 and no message (see ``pipeline/run/commit.py``), so the status is
+    made final with ``os._exit`` after flushing; the lease and parts are already settled by then."""
+    if not settle_ray_data_threads():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -233,7 +233,9 @@ def _job_config(tmp_path: Path, model: Path) -> tuple[Path, list[tuple[str, int]
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": [f"def r{i}(a):" for i in range(ROWS)]}),
                    tmp_path / "in" / "s0.parquet")
-    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out")},
+    # output.part_bytes: 1 commits a part per batch, so parts appear while the job runs (the default
+    # 128 MiB / 60 s part would commit this whole job at its end).
+    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out"), "part_bytes": 1},
            "model": {"path": str(model)}, "prompt": {"chat_template": "off"},
            "sampling": {"max_new_tokens": 4},
            "engine": {"batch_size": 2, "max_batch_size": 4, "max_seq_len": 64},
@@ -252,7 +254,7 @@ def _rows(out: Path) -> list[dict]:
             for r in pq.read_table(f, columns=["id", "sample_index", "finish_reason", "error"]).to_pylist()]
 
 
-def _wait_for_part(job: Job, out: Path, timeout: float = 180) -> int:
+def _wait_for_part(job: Job, out: Path, timeout: float = 240) -> int:
     """Wait until the running job has committed a part → how many parts there are then."""
     deadline = time.time() + timeout
     while not (n := len(_parts(out))):

@@ -77,9 +77,14 @@ class LocalStore:
         fsync_dir(Path(dest).parent)
 
     def abort(self, stream, tmp: str | None) -> None:
+        """Drop a half-written file: closing may fail too (a full disk cannot take the buffered
+        rest), and must not keep the file from being removed."""
         try:
             if stream is not None:
                 stream.close()
+        except OSError:
+            pass
+        try:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
         except OSError:

@@ -104,6 +104,27 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> boo
         if pump.is_alive() and halt is not None:
             halt()
         pump.join(timeout=30)      # the pump closes the iterator (see _pump) before Ray may shut down
+        settle_ray_data_threads()
+
+
+# Ray Data's consumer and executor threads (Ray 2.60's names). Closing the iterator only signals
+# them; one still running when ray.shutdown() destroys the core worker calls into Ray and is
+# killed by it with _exit(1): the driver then exits 1 with no message (seen after a failed commit
+# with several batches in flight). So the loop waits for them before anything may shut Ray down.
+_RAY_DATA_THREADS = ("iter_threaded", "StreamingExecutor-")
+
+
+def ray_data_threads() -> list[threading.Thread]:
+    """Ray Data threads of this process still running."""
+    return [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(_RAY_DATA_THREADS)]
+
+
+def settle_ray_data_threads(timeout: float = 10.0) -> bool:
+    """Wait (bounded) for Ray Data's threads to end → whether none is left."""
+    deadline = time.monotonic() + timeout
+    for t in ray_data_threads():
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not ray_data_threads()
 
 
 def _pump(blocks, out: queue.Queue, stop: threading.Event) -> None:
