@@ -2,6 +2,7 @@
 
     python -m jobs.bench                       # CPU, bundled model + held-out prompts
     python -m jobs.bench --device cuda         # H200: bf16, Qwen3-1.7B-shaped random weights, K=32
+    python -m jobs.bench --only scale          # the job around the engine at scale (jobs/bench_scale.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from jobs import bench_audit, bench_job, bench_storage
+from jobs import bench_audit, bench_job, bench_scale, bench_storage
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.attention import BlockBatch
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="KV-cache attention kernel (auto = flash when importable on CUDA)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
+    ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
+                    help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
+    ap.add_argument("--only", choices=["scale"], default=None,
+                    help="run one section alone: 'scale' writes bench_scale.json next to --out")
     return ap.parse_args(argv)
 
 
@@ -230,6 +235,9 @@ def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> fl
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.only == "scale":
+        bench_scale.main(["--sizes", args.scale_sizes, "--out", str(Path(args.out).with_name("bench_scale.json"))])
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -262,6 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
         report["storage"] = bench_storage.storage_vs_local(args.model, args.prompts, args.job_config)
         print(f"Same job, local disk vs an S3 endpoint on loopback: {report['storage']}", flush=True)
+        if args.scale_sizes:
+            sizes = [x for x in args.scale_sizes.split(",") if x.strip()]
+            report["scale"] = bench_scale.scale_report(sizes, bench_scale.resume_sizes_for(sizes))
+            print("The job around the engine at scale (null stage):\n"
+                  + bench_scale.render_targets(report["scale"]["targets"]), flush=True)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
