@@ -119,7 +119,7 @@ def _repairs(config: JobConfig, out: OutputDir, echo: Callable[[str], None]) -> 
              "generating them again")
 
 
-def _loop(config: JobConfig, inputs: InputPlan, out: OutputDir, done_rows: int, tracker: ThroughputTracker,
+def _loop(config: JobConfig, inputs: InputPlan, out: OutputDir, tracker: ThroughputTracker,
           progress: Progress, ids_checked) -> CommitLoop:
     writer = PartWriter(out, output_schema(inputs.passthrough_fields), inputs.files, config.sampling.n,
                         config.output.part_bytes, config.output.part_seconds)
@@ -142,6 +142,16 @@ def _halt(dataset) -> None:
         print(f"[orthrus] could not stop the dataset's executor: {type(e).__name__}: {e}", flush=True)
 
 
+def _pending(config: JobConfig, inputs: InputPlan, out: OutputDir) -> tuple[dict, int]:
+    """What is left, from the part footers → (files with samples left, each with its finished
+    ranges; rows already committed)."""
+    done, _, _ = out.done()
+    pending = done.pending(inputs.files, inputs.file_rows, config.sampling.n)
+    if not row_group_tasks(inputs, pending):    # every row group finished: nothing to read
+        pending = {}
+    return pending, done.rows
+
+
 def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
         echo: Callable[[str], None] = print) -> dict:
     """Run the dataset (Ray must be initialised), commit every block, write and return the summary."""
@@ -154,11 +164,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     out.prepare(config.behaviour, {"model": config.model.path, "fingerprint": fingerprint(config),
                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     _repairs(config, out, echo)
-    done, _, _ = out.done()
-    pending = done.pending(inputs.files, inputs.file_rows, config.sampling.n)
-    if not row_group_tasks(inputs, pending):    # every row group finished: nothing to read
-        pending = {}
-    finished = done.rows
+    pending, finished = _pending(config, inputs, out)
     echo(f"[orthrus] {inputs.num_rows} input rows x {config.sampling.n} samples in {len(inputs.files)} file(s); "
          f"{finished} already done ({len(inputs.files) - len(pending)} file(s) finished); {placement.replicas} "
          f"replica(s), {placement.gpus_per_replica:g} GPU and {placement.cpus_per_replica:g} CPU each; "
@@ -172,7 +178,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orthrus-ids")
     try:
         ids_checked = checker.submit(check_ids, inputs)
-        loop = _loop(config, inputs, out, finished, tracker, progress, ids_checked)
+        loop = _loop(config, inputs, out, tracker, progress, ids_checked)
         dataset = build_dataset(config, inputs, pending, placement, stage_cls) if pending else None
         blocks = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if dataset is not None else ()
         stopped = run_loop(iter(blocks), loop, None if limit is None else start + limit,
