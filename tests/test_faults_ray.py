@@ -234,3 +234,51 @@ def main_cli(argv: list[str]) -> int:
     from jobs.generate import main
 
     return main(argv)
+
+
+# ---------------------------------------------------------------- a corrupt page found mid-run
+
+def test_a_corrupt_page_found_mid_run_exits_2_with_complete_parts_then_resume_after_repair(
+        driver, tiny_orthrus_dir, tmp_path, capsys):
+    """Preflight reads footers only, so a corrupt data page is found by its read task: exit 2 naming
+    the file and row group, the parts committed so far complete; once the file is repaired,
+    ``--resume`` generates exactly the rest."""
+    import ray
+
+    d = tmp_path / "in"
+    d.mkdir()
+    everything = []
+    for s in range(2):     # four row groups each; the second file's third one gets corrupted
+        ids = [f"c{s}-{i}" for i in range(16)]
+        table = pa.table({"id": ids, "prompt": [f"def c{s}_{i}(a):  # " + "pad " * 200 for i in range(16)]})
+        pq.write_table(table, d / f"c{s}.parquet", row_group_size=4)
+        everything += [(i, 0) for i in ids]
+    bad = d / "c1.parquet"
+    good_bytes = bad.read_bytes()
+    meta = pq.read_metadata(bad)
+    column = meta.row_group(2).column(1)          # the prompt column's pages in row group 2
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    corrupt = bytearray(good_bytes)
+    for i in range(start + 40, start + column.total_compressed_size - 8):
+        corrupt[i] ^= 0x5A
+    bad.write_bytes(bytes(corrupt))
+    job = _job(tmp_path, tiny_orthrus_dir, output={"path": str(tmp_path / "out"), "part_bytes": 1},
+               prompt={"chat_template": "off"}, sampling={"max_new_tokens": 2},
+               engine={"batch_size": 4, "max_batch_size": 4})
+    assert main_cli(["--config", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"input file .*c1.parquet is corrupt \(row group 2 of 4\)", err), err[-2000:]
+    final = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(final) == 1 and "rerun with --resume" in final[0] and "orthrus input error" not in final[0], err[-3000:]
+    assert "Corrupt snappy compressed data" in final[0]
+    out = tmp_path / "out"
+    assert not list((out / "_tmp").iterdir())
+    before = _parts(out)
+    done = _keys(out / "data" / name for name in before)            # every committed part reads back whole
+    assert len(done) == len(set(done)) < len(everything)
+    ray.shutdown()
+    bad.write_bytes(good_bytes)                                      # the file is repaired
+    assert main_cli(["--config", str(job), "--resume"]) == 0
+    after = _parts(out)
+    assert all(after[name] == digest for name, digest in before.items())
+    assert sorted(_keys(out / "data" / name for name in after)) == sorted(everything)

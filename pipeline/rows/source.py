@@ -39,7 +39,9 @@ class InputFileError(ConfigError):
 
     @property
     def message(self) -> str:
-        return str(self).removeprefix(INPUT_ERROR_MARK).strip()
+        """The message alone (Ray's wrappers of this error add their traceback around it)."""
+        text = str(self)
+        return text.split(INPUT_ERROR_MARK, 1)[1].strip().splitlines()[0] if INPUT_ERROR_MARK in text else text
 
 
 @dataclass(frozen=True)
