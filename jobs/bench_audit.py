@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from pipeline.config import AuditConfig, load_config
 from pipeline.run.job import preflight
 from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.rows.source import read_file
 from pipeline.actor.stage import GenerationStage, StagePlan
 
 
@@ -36,7 +37,7 @@ def audit_overhead(model_dir: str, prompts_dir: str, rows: int = 64, max_new_tok
                                   "sampling": {"max_new_tokens": max_new_tokens},
                                   "engine": {"max_batch_size": slots, "dtype": "float32"}})
     inputs = preflight(cfg).inputs
-    batch = preprocess_batch(pq.read_table(inputs.files[0]), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+    batch = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
     stages = {f: GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False,
                                            audit=AuditConfig(fraction=f, max_batch_size=max(1, slots // 2))))
               for f in fractions}

@@ -115,11 +115,13 @@ def stop_string_waste(config_path: str) -> dict:
     from pipeline.config import load_config
     from pipeline.run.job import preflight
     from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+    from pipeline.rows.source import read_file
 
     cfg = load_config(config_path, [])
     inputs = preflight(cfg).inputs
     plan = PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling)
-    rows = pa.concat_tables([preprocess_batch(pq.read_table(f), plan) for f in inputs.files]).to_pylist()
+    rows = pa.concat_tables([preprocess_batch(read_file(inputs, i, cfg.sampling.n), plan)
+                           for i in range(len(inputs.files))]).to_pylist()
     rows = [r for r in rows if r["error"] is None]
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(cfg.model.path), max_batch_size=cfg.engine.max_batch_size,

@@ -48,7 +48,7 @@ def _submit(head, config: Path, *args: str, wait: bool = True, sid: str | None =
 
 
 def _job(tmp_path: Path, name: str, inputs: str, output: str, model: str, endpoint: str, **sections) -> Path:
-    cfg = {"input": {"paths": [inputs]}, "output": {"path": output, "part_seconds": 1}, "model": {"path": model},
+    cfg = {"input": {"paths": [inputs]}, "output": {"path": output, "part_bytes": 1}, "model": {"path": model},
            "resources": {"replicas": 1}, "storage": {"endpoint": endpoint, "model_cache_dir": str(tmp_path / "cache")},
            "prompt": {"chat_template": "off"}, **sections}
     path = tmp_path / f"{name}.yaml"
