@@ -213,7 +213,7 @@ class OutputDir:
         self._seq += 1
         return self.store.path(DATA_DIR, name)
 
-    def footers(self, threads: int = 32) -> list[Footer]:
+    def footers(self, threads: int = 8) -> list[Footer]:
         """Every committed part's footer, in commit order, read in parallel (bounded by parts)."""
         parts = self.commit_order()
         if len(parts) <= 1:

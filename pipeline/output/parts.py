@@ -79,6 +79,7 @@ class PartWriter:
     def _reset(self) -> None:
         self._open: _Open | None = None
         self._buffer: list[pa.Table] = []
+        self._coords: list[tuple[np.ndarray, np.ndarray]] = []     # (file index, flat index) per buffered row
         self._buffered = 0
         self._written = 0
         self._runs: list[np.ndarray] = []
@@ -93,7 +94,7 @@ class PartWriter:
         if self._open is None:
             self._open = _Open(self.out, self.out.new_part_path(), self.schema)
             self._opened_at = time.monotonic()
-        self._runs.append(runs_of(file_index, rows * self.n + samples))
+        self._coords.append((np.asarray(file_index, np.int64), np.asarray(rows, np.int64) * self.n + samples))
         self._stats = St.merge(self._stats, St.of_table(table))
         self._buffer.append(table)
         self._buffered += table.nbytes
@@ -102,10 +103,17 @@ class PartWriter:
             self._flush()
 
     def _flush(self) -> None:
+        """Write the buffer as one row group, its rows in coordinate order: blocks arrive out of
+        order (several actors, several batches each), and sorted rows make one run per stretch of
+        a file instead of one per block, so footers stay small however many blocks a part holds."""
         if self._buffer:
-            self._open.write(pa.concat_tables(self._buffer))
+            files = np.concatenate([f for f, _ in self._coords])
+            flat = np.concatenate([x for _, x in self._coords])
+            order = np.lexsort((flat, files))
+            self._open.write(pa.concat_tables(self._buffer).take(pa.array(order)))
+            self._runs.append(runs_of(files[order], flat[order]))
             self._written += self._buffered
-            self._buffer, self._buffered = [], 0
+            self._buffer, self._coords, self._buffered = [], [], 0
 
     def due(self) -> bool:
         """Whether the open part is big or old enough to commit."""

@@ -130,18 +130,32 @@ def overlapping(summaries: list[FileIds]) -> list[str]:
 
 
 class _Tasks:
-    """Ray tasks when Ray is up; plain calls in this process otherwise (unit tests, tools)."""
+    """Ray tasks when Ray is up; plain calls in this process otherwise (unit tests, tools).
 
-    def __init__(self) -> None:
+    The checks run beside the job's own Ray Data tasks, which take every CPU they are given; tasks
+    that asked for a CPU would wait behind them (seen: the first commit waited minutes). So they ask
+    for none, and at most ``window`` run at once, which bounds what they add to the machine.
+    """
+
+    def __init__(self, num_cpus: float = 0, window: int = 4) -> None:
         import ray
 
         self.ray = ray if ray.is_initialized() else None
+        self.num_cpus, self.window = num_cpus, window
 
     def call(self, fn, calls: list[tuple], num_returns: int = 1) -> list:
+        """Submit ``fn(*args)`` per call, never more than ``window`` unfinished → refs (or results)."""
         if self.ray is None:
             return [fn(*args) for args in calls]
-        task = self.ray.remote(fn).options(num_cpus=1, max_retries=3, num_returns=num_returns)
-        return [task.remote(*args) for args in calls]
+        task = self.ray.remote(fn).options(num_cpus=self.num_cpus, max_retries=3, num_returns=num_returns)
+        refs, running = [], []
+        for args in calls:
+            if len(running) >= self.window:
+                _, running = self.ray.wait(running, num_returns=1)
+            ref = task.remote(*args)
+            refs.append(ref)
+            running.append(ref[0] if isinstance(ref, list) else ref)
+        return refs
 
     def get(self, refs: list) -> list:
         return refs if self.ray is None else self.ray.get(refs)
@@ -187,7 +201,7 @@ def verify_file(path: str, plan: InputPlan) -> str | None:
 
 def verify_inputs(plan: InputPlan) -> None:
     """``input.verify: full``: every file read in full by Ray tasks; raise the first error."""
-    tasks = _Tasks()
+    tasks = _Tasks(num_cpus=1, window=1 << 30)       # before the dataset starts: the CPUs are free
     shared = tasks.ray.put(plan) if tasks.ray is not None else plan
     for error in tasks.get(tasks.call(verify_file, [(f, shared) for f in plan.files])):
         if error:

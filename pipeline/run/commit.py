@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,12 +39,22 @@ class CommitLoop:
     tracker: ThroughputTracker
     progress: Progress
     ids_checked: Future | None = None    # the distributed id check; the first commit waits for it
+    deadline: float | None = None        # behaviour.max_wall_seconds as time.time(); bounds that wait
+
+    def _ids(self) -> None:
+        """Wait for the id check (raises ConfigError on a duplicate id: nothing committed yet)."""
+        if self.ids_checked is None:
+            return
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.time())
+        try:
+            self.ids_checked.result(timeout=timeout)
+        except FutureTimeout:
+            raise DeadlineReached() from None
+        self.ids_checked = None
 
     def add(self, block: pa.Table) -> None:
         """One block of finished rows: account its batch records, append its rows to the open part."""
-        if self.ids_checked is not None:
-            self.ids_checked.result()        # raises ConfigError on a duplicate id: nothing committed yet
-            self.ids_checked = None
+        self._ids()
         self.tracker.add(block)
         if not block.num_rows:
             return
@@ -52,9 +63,13 @@ class CommitLoop:
         self.progress.update(block.num_rows, self.tracker.steady_tokens_per_second())
 
     def commit(self) -> None:
-        if self.ids_checked is not None and self.writer.rows:
-            self.ids_checked.result()
+        if self.writer.rows:
+            self._ids()
         self.writer.commit()
+
+
+class DeadlineReached(Exception):
+    """The deadline came while the first commit still waited for the id check."""
 
 
 def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> bool:
@@ -69,6 +84,7 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> boo
     stop = threading.Event()
     pump = threading.Thread(target=_pump, args=(blocks, pending, stop), name="orthrus-blocks", daemon=True)
     pump.start()
+    loop.deadline = deadline
     try:
         while True:
             now = time.time()
@@ -91,6 +107,9 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> boo
                 loop.add(item)
             if loop.writer.due():
                 loop.commit()
+    except DeadlineReached:
+        loop.writer.abort()          # nothing in it can be committed before the ids are proven unique
+        return True
     except BaseException as e:
         found = input_error(e)
         if found is not None:
@@ -111,7 +130,8 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> boo
 # them; one still running when ray.shutdown() destroys the core worker calls into Ray and is
 # killed by it with _exit(1): the driver then exits 1 with no message (seen after a failed commit
 # with several batches in flight). So the loop waits for them before anything may shut Ray down.
-_RAY_DATA_THREADS = ("iter_threaded", "StreamingExecutor-")
+# The job's own id-check thread (``orthrus-ids``) calls into Ray too.
+_RAY_DATA_THREADS = ("iter_threaded", "StreamingExecutor-", "orthrus-ids")
 
 
 def ray_data_threads() -> list[threading.Thread]:

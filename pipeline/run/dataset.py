@@ -14,10 +14,15 @@ from pipeline.run.resources import Placement
 from pipeline.actor.stage import GenerationStage, StagePlan
 
 
-# Preprocessing (tokenization) works on blocks of at least this many rows: large enough that a
-# task's overhead is small next to its work, small enough that the first batches reach the actors
-# while the rest of a big row group is still being tokenized.
+# Preprocessing (tokenization) works on batches of this many rows: large enough that a task's
+# overhead is small next to its work, small enough that the first batches reach the actors while
+# the rest of a big row group is still being tokenized.
 PREPROCESS_ROWS = 1024
+# Ray Data holds a task's output until it reaches this size before passing it on (128 MiB by
+# default): a read task over a 100k-row group, or a preprocess task over it, would then emit
+# nothing until all of it is done, and start-up would grow with row-group size (measured in
+# jobs/bench_scale.py). Small blocks let the first batches through at once.
+BLOCK_BYTES = 1 << 20
 
 
 def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pending | None], placement: Placement,
@@ -31,14 +36,18 @@ def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pendi
 
     # The driver shows one progress bar of its own (rows committed of expected, tokens/s, ETA);
     # Ray Data's per-operator bars would interleave with it.
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.target_max_block_size = BLOCK_BYTES
     faults = from_environment()
     FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
     ds = ray.data.read_datasource(make_datasource(inputs, pending, config.sampling.n))
-    ds = ds.repartition(target_num_rows_per_block=max(PREPROCESS_ROWS, config.engine.batch_size))
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
                          storage=config.storage)
-    ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow")
+    # Straight after the read (no repartition between): reads and tokenization interleave instead
+    # of every read finishing before the first row is tokenized.
+    ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow",
+                        batch_size=max(PREPROCESS_ROWS, config.engine.batch_size))
     # Re-cut into batch-sized blocks so work spreads over the actors and each finished batch
     # reaches the driver while the job runs.
     ds = ds.repartition(target_num_rows_per_block=config.engine.batch_size)

@@ -183,7 +183,8 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
         blocks = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if dataset is not None else ()
         stopped = run_loop(iter(blocks), loop, None if limit is None else start + limit,
                            halt=lambda: _halt(dataset))
-        ids_checked.result()
+        if not stopped:
+            ids_checked.result()       # even a resume with nothing left proves the ids unique
     finally:
         progress.close()
         checker.shutdown(wait=False, cancel_futures=True)
