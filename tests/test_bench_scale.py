@@ -52,8 +52,9 @@ def test_committed_output_footers_leave_exactly_the_last_rows(tmp_path):
     assert total["rows"] == done.rows == 3700 and total["finish_reason"] == {"length": 3700}
     assert list(pending) == [plan.files[-1]]                               # three files finished
     assert pending[plan.files[-1]].samples(np.arange(1000)).to_pylist() == [[]] * 700 + [[0]] * 300
-    assert sum(len(f.sources.runs) for f in footers) >= 3700 // 64       # one run per block, as a real run's
-    assert out.read(["id"])["id"].to_pylist()[:2] == ["f000-000000064", "f000-000000065"]
+    # blocks arrive out of order, but each row group is sorted by coordinate: a run per stretch of a file
+    assert sum(len(f.sources.runs) for f in footers) <= 4 * len(footers)
+    assert out.read(["id"])["id"].to_pylist()[:2] == ["f000-000000000", "f000-000000001"]
 
 
 def test_bench_scale_smallest_size_runs(tmp_path):
