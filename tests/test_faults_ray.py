@@ -42,8 +42,8 @@ def driver(head, monkeypatch):
 
 
 def _job(tmp_path: Path, model: Path, **sections) -> Path:
-    # parts commit every second (not at the 60 s default), so a kill mid-run finds some committed
-    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out"), "part_seconds": 1},
+    # a part per batch (not one at the 60 s default), so a kill mid-run finds some committed
+    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out"), "part_bytes": 1},
            "model": {"path": str(model)}, "resources": {"replicas": 1}}
     for k, v in sections.items():
         cfg[k] = {**cfg.get(k, {}), **v}

@@ -189,8 +189,12 @@ class ExclusiveFileBackend:
     def write(self, info: dict) -> None:
         """Rewrite the lease (the heartbeat) atomically: readers never see half of it."""
         tmp = self.path.with_name(f"{LEASE}.{info['token']}.tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)    # a full disk must not leave a half-written temp file behind
+            raise
 
     def remove_if_ours(self, token: str) -> None:
         """Delete the lease if it still names ``token`` (another job's is left alone)."""
