@@ -38,6 +38,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from test_pipeline_ray import killpg
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,19 +106,6 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _killpg(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM, then SIGKILL, the process group that ``proc`` leads (it was started in its own session)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 class SimCluster:
     """One simulated cluster (head + 2 GPU workers) in a helper process; see the module docstring."""
 
@@ -162,7 +151,7 @@ class SimCluster:
         except (AssertionError, OSError, subprocess.TimeoutExpired):
             pass
         finally:
-            _killpg(self.proc, grace=5)     # the helper's session: every Ray process it started
+            killpg(self.proc, grace=5)     # the helper's session: every Ray process it started
             self._log.close()
             shutil.rmtree(self.temp, ignore_errors=True)
 
@@ -212,7 +201,7 @@ class Job:
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:
-            _killpg(self.proc, grace=3)
+            killpg(self.proc, grace=3)
 
 
 @pytest.fixture

@@ -51,6 +51,19 @@ def _base_env() -> dict[str, str]:
     return env
 
 
+
+def killpg(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL, the process group that ``proc`` leads (it was started in its own session)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+
 @pytest.fixture(scope="module")
 def head():
     """``ray start --head --block`` in its own session; stopped through its own process group id."""
@@ -80,15 +93,7 @@ def head():
                 time.sleep(0.5)
         yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": url, "metrics": f"http://127.0.0.1:{metrics}/metrics"}
     finally:
-        for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):  # this head's process group only
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
+        killpg(proc, grace=3)            # this head's process group only
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
