@@ -25,7 +25,7 @@ class InputConfig(_Section):
     """Where the prompts come from and which columns hold what."""
 
     paths: list[str] = Field(min_length=1, description=(
-        "Parquet inputs: files, directories or prefixes (read recursively) or glob patterns, as local "
+        "Inputs (see input.format): files, directories or prefixes (read recursively) or glob patterns, as local "
         "paths or URIs (s3://bucket/prefix, gs://..., hdfs://...; see the storage section). Relative "
         "paths are resolved against the driver's working directory."))
     id_column: str = Field("id", min_length=1, description=(
@@ -39,6 +39,14 @@ class InputConfig(_Section):
         "by Ray tasks before the first commit, and a file with a corrupt page stops the job (exit 2) when "
         "its read task reaches it. 'full': every row group of every file is read by Ray tasks before any "
         "actor loads the model, so such a file stops the job up front."))
+    format: Literal["auto", "parquet", "jsonl", "openai_batch"] = Field("auto", description=(
+        "'parquet'; 'jsonl' (one JSON object per line, its keys are columns); 'openai_batch' (OpenAI Batch "
+        "API request lines: custom_id is the id, body.messages or body.prompt the prompt, body's max_tokens, "
+        "temperature, top_p, seed, stop, logprobs/top_logprobs the row's sampling). JSONL files may be "
+        "compressed (.gz, .zst). 'auto': from the file extension (.parquet; .jsonl, .ndjson, .json with an "
+        "optional .gz or .zst). JSONL files are converted once, by Ray tasks before any model loads, into "
+        "Parquet under <output>/_staged/ (reused on resume while the source is unchanged); a malformed "
+        "line becomes an error row naming its line number."))
 
 
 class OutputConfig(_Section):
@@ -53,6 +61,13 @@ class OutputConfig(_Section):
     part_seconds: float = Field(60.0, gt=0.0, allow_inf_nan=False, description=(
         "Commit the open part once it has been open this long, whatever its size: the most work a "
         "kill can lose (resume regenerates it)."))
+    format: Literal["parquet", "jsonl", "openai_batch"] | None = Field(None, description=(
+        "The committed parts under data/ are always Parquet (they are the exactly-once ledger that resume "
+        "and the repairs read). 'jsonl' also writes results.jsonl (one object per output row); "
+        "'openai_batch' writes results.jsonl in the OpenAI Batch output format and the failed requests to "
+        "errors.jsonl. Both are rendered from data/ by a Ray task when every row is done (again after a "
+        "resume, --retry-errors or --dedupe). None: 'openai_batch' for openai_batch input, 'jsonl' for "
+        "JSONL input, else 'parquet' (data/ only)."))
 
 
 class ModelConfig(_Section):
@@ -95,6 +110,11 @@ class SamplingConfig(_Section):
     stop_token_ids: list[int] = Field(default_factory=list, description=(
         "Extra token ids that end a sample (the model's EOS ids always do)."))
     n: int = Field(1, ge=1, description="Samples per prompt (sample_index 0 .. n-1).")
+    logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "None: off. 0: the log-probability of each generated token (token_logprobs, cumulative_logprob). "
+        "k > 0: also the k most likely tokens at each position (top_logprobs). Values are the target (AR) "
+        "model's log-softmax of its raw logits, as plain AR decoding reports them. A row's own 'logprobs' "
+        "column wins."))
     seed: int = Field(0, ge=0, lt=2**63, description=(
         "Base seed: each sample's seed is derived from (seed, id, sample_index), so output does not "
         "depend on batching. A row's own 'seed' column wins (seed + sample_index)."))

@@ -8,6 +8,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+# One of the k most likely tokens at a generated position (``top_logprobs``).
+TOP_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.float32())])
+
 # The output contract (issue: "Output columns"), in file order.
 OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("id", pa.string()),
@@ -24,6 +27,9 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("tokens_per_cycle", pa.float64()),
     pa.field("accept_length_histogram", pa.list_(pa.int64())),
     pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion
+    pa.field("token_logprobs", pa.list_(pa.float32())),            # null unless the row asked for logprobs
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),     # null unless logprobs > 0
+    pa.field("cumulative_logprob", pa.float64()),                  # sum of token_logprobs
     pa.field("time_waiting_s", pa.float64()),        # in the engine's queue, waiting for a slot
     pa.field("time_in_engine_s", pa.float64()),      # from admission into a slot to the row's end
     pa.field("batch_wall_seconds", pa.float64()),    # wall time of the row's whole batch in the actor
@@ -36,7 +42,7 @@ OUTPUT_NAMES: tuple[str, ...] = tuple(f.name for f in OUTPUT_FIELDS)
 KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
 
 # Per-row input columns that override the sampling defaults (consumed, never passed through).
-OVERRIDE_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
+OVERRIDE_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "logprobs", "stop")
 
 # Internal columns carried between stages; the "__" prefix keeps them apart from user columns.
 INTERNAL_PREFIX = "__"
