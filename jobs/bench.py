@@ -3,6 +3,7 @@
     python -m jobs.bench                       # CPU, bundled model + held-out prompts
     python -m jobs.bench --device cuda         # H200: bf16, Qwen3-1.7B-shaped random weights, K=32
     python -m jobs.bench --only scale          # the job around the engine at scale (jobs/bench_scale.py)
+    python -m jobs.bench --only logprobs       # what per-token logprobs cost (jobs/bench_logprobs.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from jobs import bench_audit, bench_job, bench_scale, bench_storage
+from jobs import bench_audit, bench_job, bench_logprobs, bench_scale, bench_storage
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.attention import BlockBatch
@@ -55,8 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale"], default=None,
-                    help="run one section alone: 'scale' writes bench_scale.json next to --out")
+    ap.add_argument("--only", choices=["scale", "logprobs"], default=None,
+                    help="run one section alone: 'scale' writes bench_scale.json next to --out, "
+                         "'logprobs' bench_logprobs.json (default batch sizes 1,16)")
     return ap.parse_args(argv)
 
 
@@ -240,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.only == "logprobs":
+        sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else [1, 16]
+        report = bench_logprobs.run(args.model, sizes, args.reps, args.max_new_tokens, args.prompts)
+        Path(args.out).with_name("bench_logprobs.json").write_text(json.dumps(report, indent=2))
+        return
     torch.manual_seed(0)
     model, prompts = gpu_model() if args.device == "cuda" else cpu_model(args)
     default_bs = "1,8,32,128" if args.device == "cuda" else "1,4,16,64"

@@ -38,7 +38,7 @@ def audit_overhead(model_dir: str, prompts_dir: str, rows: int = 64, max_new_tok
                                   "engine": {"max_batch_size": slots, "dtype": "float32"}})
     inputs = preflight(cfg).inputs
     batch = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
-    stages = {f: GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False,
+    stages = {f: GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
                                            audit=AuditConfig(fraction=f, max_batch_size=max(1, slots // 2))))
               for f in fractions}
     seconds: dict[float, list[float]] = {f: [] for f in fractions}

@@ -126,9 +126,9 @@ def stop_string_waste(config_path: str) -> dict:
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(cfg.model.path), max_batch_size=cfg.engine.max_batch_size,
                            tokenizer=tok)
-    ids, stops = [r[S.PROMPT_IDS] for r in rows], tuple(cfg.sampling.stop)
-    plain = engine.generate(ids, [SamplingParams(max_new_tokens=r[S.MAX_NEW_TOKENS]) for r in rows])
-    cut = engine.generate(ids, [SamplingParams(max_new_tokens=r[S.MAX_NEW_TOKENS], stop=stops) for r in rows])
+    ids, stops = [r["__request"]["prompt_token_ids"] for r in rows], tuple(cfg.sampling.stop)
+    plain = engine.generate(ids, [SamplingParams(max_new_tokens=r["__request"]["max_tokens"]) for r in rows])
+    cut = engine.generate(ids, [SamplingParams(max_new_tokens=r["__request"]["max_tokens"], stop=stops) for r in rows])
     before = after = stopped = 0
     for p, c in zip(plain, cut):
         if c.text is None:              # not ended by a stop string

@@ -41,9 +41,9 @@ import pyarrow.compute as pc
 from jobs.bench_scale_data import (BLOCK, FILES, REPO, copy_output, ids_of, job_config, swapped_blocks,
                                    write_committed, write_inputs)
 from pipeline.rows import schema as S
+from pipeline.rows.request import REQUEST
 
 RESULT = "BENCH_SCALE_RESULT "
-_REQUEST = [S.PROMPT_IDS, S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS]
 TARGETS = {"fresh_startup_ratio": 1.3, "fresh_rss_delta_mb": 100, "resume_startup_ratio": 1.5,
            "resume_rss_delta_mb": 100, "resume_summary_s": 2.0, "commit_local_rows_per_s": 20_000,
            "commit_s3_rows_per_s": 5_000, "commit_parts_per_1m_rows": 20}
@@ -61,10 +61,11 @@ class NullStage:
         batch record added; ids, coordinates and pass-through columns kept."""
         n = batch.num_rows
         failed = pc.is_valid(batch["error"])
-        table = batch.drop_columns([c for c in _REQUEST if c in batch.column_names])
-        cols = {"completion": pc.if_else(failed, pa.scalar(None, pa.string()), ""),
+        table = batch.drop_columns([c for c in (REQUEST, "error") if c in batch.column_names])
+        cols = {"generated_text": pc.if_else(failed, pa.scalar(None, pa.string()), ""),
                 "finish_reason": pc.if_else(failed, "error", "length"),
-                "num_completion_tokens": pc.if_else(failed, pa.scalar(None, pa.int64()), 0),
+                "error": batch["error"],
+                "num_generated_tokens": pc.if_else(failed, pa.scalar(None, pa.int64()), 0),
                 "model": pa.repeat(pa.scalar(self.plan.model.path), n)}
         for name, values in cols.items():
             table = table.append_column(name, values)
@@ -174,9 +175,9 @@ def stage_blocks(rows: int, files: int = FILES, model: str = "bench-model") -> l
     """What the null stage would return for ``rows`` rows over ``files`` files, in 64-row blocks
     (neighbouring blocks swapped, as actors return them out of order)."""
     from pipeline.actor.stage import StagePlan
-    from pipeline.config import EngineConfig, ModelConfig, SamplingConfig
+    from pipeline.config import EngineConfig, ModelConfig
 
-    stage = NullStage(StagePlan(ModelConfig(path=model), EngineConfig(), SamplingConfig(), False))
+    stage = NullStage(StagePlan(ModelConfig(path=model), EngineConfig(), False))
     per = rows // files
     blocks = []
     for f in range(files):
@@ -184,12 +185,8 @@ def stage_blocks(rows: int, files: int = FILES, model: str = "bench-model") -> l
         n = per
         requests = pa.table({
             "id": ids_of(f, r), "sample_index": pa.array(np.zeros(n, np.int64)),
-            "seed": pa.array(r * 7919, pa.int64()), "num_prompt_tokens": pa.array(np.full(n, 8, np.int64)),
+            "seed": pa.array(r * 7919, pa.int64()), "num_input_tokens": pa.array(np.full(n, 8, np.int64)),
             "error": pa.nulls(n, pa.string()),
-            S.PROMPT_IDS: pa.ListArray.from_arrays(pa.array(np.arange(0, 8 * n + 1, 8, dtype=np.int32)),
-                                                   pa.array(np.ones(8 * n, np.int32))),
-            S.TEMPERATURE: pa.array(np.zeros(n)), S.TOP_P: pa.array(np.ones(n)),
-            S.TOP_K: pa.array(np.zeros(n, np.int64)), S.MAX_NEW_TOKENS: pa.array(np.full(n, 16, np.int64)),
             S.FILE: pa.array(np.full(n, f, np.int32)), S.ROW: pa.array(r),
             "shard": pa.array(np.full(n, f, np.int32))})
         order = swapped_blocks(-(-n // BLOCK), 1)

@@ -13,6 +13,7 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything above is a typo, not a request
 # top_p below the top token's probability does.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-30
+MAX_LOGPROBS = 20   # most top log-probabilities a row may ask for per position
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class SamplingParams:
     top-p, softmax. A temperature in (0, 1e-5) is greedy and a top_p below 1e-30 is 1e-30 (top-1):
     their limits, where float32 arithmetic would otherwise overflow or divide by zero. ``seed`` keys the row's own random stream, so a seeded row samples the same
     tokens alone or in any batch; rows given the same seed and prompt give the same output.
+
+    ``logprobs``: None = off; 0 = each generated token's log-probability; k > 0 = also the k most
+    likely tokens at each position. Values are the log-softmax of the AR (target) model's raw logits,
+    before temperature/top-k/top-p: what plain AR decoding of the same tokens reports.
     """
 
     temperature: float = 0.0
@@ -32,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()       # stop strings; need an engine built with a tokenizer
+    logprobs: int | None = None      # None: off; 0: the token's log-probability; k: also the top k
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -57,6 +63,10 @@ class SamplingParams:
         if not all(isinstance(t, str) and t and "\ufffd" not in t for t in stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -134,15 +134,10 @@ class SamplingConfig(_Section):
         return v
 
 
-class EngineConfig(_Section):
-    """How each replica runs the Orthrus engine."""
+class EngineKwargs(_Section):
+    """How each replica builds its Orthrus engine (``OrthrusEngine``'s own keyword names, plus dtype)."""
 
     max_batch_size: int = Field(8, ge=1, description="Decoding slots per replica (continuous batching).")
-    batch_size: int = Field(64, ge=1, description=(
-        "Rows handed to one actor call; also the unit of durable progress (one output file each)."))
-    max_concurrent_batches: int = Field(4, ge=1, description=(
-        "Batches each replica holds at once, all feeding its one streaming engine, so its slots stay "
-        "busy across batch boundaries; each batch is still committed on its own when its rows are done."))
     block_size: int | None = Field(None, ge=2, description="Draft block size K; None = the model's.")
     speculative: bool | Literal["auto"] = Field(True, description=(
         "true: self-speculative decoding; false: plain AR on the same engine; 'auto': per iteration, "
@@ -161,10 +156,20 @@ class EngineConfig(_Section):
         "it as a captured CUDA graph (one launch per cycle). Ignored on CPU and with SDPA."))
 
     @model_validator(mode="after")
-    def _flash_needs_half_precision(self) -> "EngineConfig":
+    def _flash_needs_half_precision(self) -> "EngineKwargs":
         if self.attention == "flash" and self.dtype == "float32":
-            raise ValueError("engine.attention='flash' needs engine.dtype bfloat16, float16 or auto, not float32")
+            raise ValueError("attention='flash' needs dtype bfloat16, float16 or auto, not float32")
         return self
+
+
+class EngineConfig(EngineKwargs):
+    """How each replica runs the Orthrus engine, and how batches reach it."""
+
+    batch_size: int = Field(64, ge=1, description=(
+        "Rows handed to one actor call (Ray Data's batch)."))
+    max_concurrent_batches: int = Field(4, ge=1, description=(
+        "Batches each replica holds at once, all feeding its one streaming engine, so its slots stay "
+        "busy across batch boundaries; each batch still returns on its own when its rows are done."))
 
 
 class ResourcesConfig(_Section):
@@ -262,9 +267,9 @@ def _describe(err: ValidationError, source: str) -> str:
         where = ".".join(str(p) for p in e["loc"]) or "<top level>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (not part of the job config)"
+            msg = "unknown field"
         lines.append(f"  {where}: {msg}")
-    return f"invalid job config ({source}):\n" + "\n".join(lines)
+    return f"invalid config ({source}):\n" + "\n".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -227,10 +227,10 @@ def test_bad_rows_become_error_rows_rows_in_equal_rows_out(tmp_path, weightless_
         if chat_template == "off" and by_id[row_id][1] is None:    # messages need a chat template
             expected = "row has no prompt"
         if expected is None:
-            assert r["error"] is None and r["__prompt_token_ids"], r
+            assert r["error"] is None and r["__request"]["prompt_token_ids"], r
         else:
             assert r["error"] and expected in r["error"], (row_id, r["error"])
-            assert r["__prompt_token_ids"] == []
+            assert r["__request"] is None
     extra = ["id", "../../escape", "meta", "blob"]  # unknown columns pass through unchanged
     want = table.select(extra).take([i // 2 for i in range(out.num_rows)])
     assert out.select(extra).to_pylist() == want.to_pylist()
@@ -250,7 +250,7 @@ def one_thread():
 
 
 def _stage(cfg, fault: str | None = None) -> GenerationStage:
-    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False,
+    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
                                      fault_inject=fault))
 
 
@@ -273,15 +273,15 @@ def test_oom_batches_split_and_retry_and_a_row_failing_alone_is_an_error_row(tmp
     assert len(faulty) == batch.num_rows == 9
     for r in faulty:
         if r["id"] == "r3":  # out of memory even alone: an error row with the message
-            assert r["finish_reason"] == "error" and r["completion"] is None
+            assert r["finish_reason"] == "error" and r["generated_text"] is None
             assert "decoding failed: OutOfMemoryError: simulated out of memory" in r["error"]
             continue
         c = clean[r["id"]]  # every other row decodes exactly as without the fault (seeded per row)
-        keys = ("completion", "finish_reason", "error", "num_completion_tokens", "accept_length_histogram", "seed")
+        keys = ("generated_text", "finish_reason", "error", "num_generated_tokens", "accept_length_histogram", "seed")
         assert {k: r[k] for k in keys} == {k: c[k] for k in keys}, r["id"]
     assert "tokens; the context limit max_seq_len=48 leaves no room" in clean["long"]["error"]
     huge = clean["huge-max"]  # an allowed but absurd max_new_tokens is bounded by the context limit
-    assert huge["finish_reason"] == "length" and huge["num_prompt_tokens"] + huge["num_completion_tokens"] == 48
+    assert huge["finish_reason"] == "length" and huge["num_input_tokens"] + huge["num_generated_tokens"] == 48
 
 
 def test_fault_spec_is_checked():
@@ -308,5 +308,5 @@ def test_shards_with_differing_schemas_preprocess_to_one_schema(tmp_path, weight
     assert all(t.schema.field("big").type == pa.float64() for t in outs[:2])
     assert outs[0]["big"].to_pylist() == [float(2 ** 52 + 1), 3.0] and outs[1]["big"].to_pylist() == [0.5]
     rows = pa.concat_tables(outs[:2], promote_options="default").to_pylist()
-    assert [(r["id"], r["error"], r["__top_k"], r["tag"]) for r in rows] == [
+    assert [(r["id"], r["error"], r["__request"]["top_k"], r["tag"]) for r in rows] == [
         ("1", None, 0, "x"), ("2", None, 0, "y"), ("3", None, 4, None)]

@@ -27,12 +27,12 @@ def test_null_stage_blocks_carry_the_output_contract():
     assert [b.num_rows for b in blocks] == [64] * 4
     first = blocks[0]
     assert first[S.ROW].to_pylist() == list(range(64, 128))        # neighbouring blocks swapped
-    assert set(first.column_names) >= {"id", "sample_index", "completion", "finish_reason", "num_completion_tokens",
+    assert set(first.column_names) >= {"id", "sample_index", "generated_text", "finish_reason", "num_generated_tokens",
                                        S.FILE, S.ROW, S.BATCH, "shard"}
-    assert not set(first.column_names) & {S.PROMPT_IDS, S.TEMPERATURE, S.MAX_NEW_TOKENS}
+    assert "__request" not in first.column_names
     records = first[S.BATCH].drop_null().to_pylist()
     assert len(records) == 1 and records[0]["rows"] == 64 and records[0]["started"] > 0
-    assert set(first["finish_reason"].to_pylist()) == {"length"} and set(first["completion"].to_pylist()) == {""}
+    assert set(first["finish_reason"].to_pylist()) == {"length"} and set(first["generated_text"].to_pylist()) == {""}
     out = S.to_output_table(first, S.output_schema([pa.field("shard", pa.int32())]))
     assert out.schema.names[:len(S.OUTPUT_NAMES)] == list(S.OUTPUT_NAMES)
     assert sorted(swapped_blocks(5, 2).tolist()) == list(range(5)) and swapped_blocks(5, 2).tolist()[:2] == [2, 3]

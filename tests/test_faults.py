@@ -175,9 +175,9 @@ def test_planted_code_in_checkpoint_is_never_executed(tmp_path, tiny_orthrus_dir
     inputs = preflight(cfg).inputs  # loads the tokenizer
     batch = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt,
                                                                                  cfg.sampling))
-    stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
+    stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False))
     row = asyncio.run(stage(batch)).to_pylist()[0]
-    assert row["error"] is None and row["num_completion_tokens"] >= 1
+    assert row["error"] is None and row["num_generated_tokens"] >= 1
     assert not marker.exists()
 
 

@@ -59,12 +59,12 @@ def test_hostile_rows_become_error_rows_and_extreme_values_their_limits(tmp_path
     for r in out.to_pylist():
         want = expected[r["id"]]
         if want is None:
-            assert r["error"] is None and r["__prompt_token_ids"], r
+            assert r["error"] is None and r["__request"]["prompt_token_ids"], r
         else:
             assert r["error"] and want in r["error"], (r["id"], r["error"])
     rows = {r["id"]: r for r in out.to_pylist()}
-    assert rows["tiny-temp"]["__temperature"] == 0.0                    # its limit: greedy
-    assert rows["tiny-top-p"]["__top_p"] == 1e-30                       # its limit: the top token only
+    assert rows["tiny-temp"]["__request"]["temperature"] == 0.0         # its limit: greedy
+    assert rows["tiny-top-p"]["__request"]["top_p"] == 1e-30            # its limit: the top token only
 
 
 def test_extreme_sampling_values_behave_as_their_limits_in_the_engine(tiny_orthrus_dir):

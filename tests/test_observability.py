@@ -36,7 +36,7 @@ def _batch(tmp_path, cfg):
 
 
 def _stage(cfg, fraction: float = 0.0, row_timeout_s: float | None = None) -> GenerationStage:
-    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False,
+    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
                                      audit=AuditConfig(fraction=fraction, max_batch_size=2),
                                      row_timeout_s=row_timeout_s))
 
@@ -104,9 +104,9 @@ def test_the_audit_reports_where_a_wrong_decoding_diverges(tmp_path, tiny_orthru
     batch = _batch(tmp_path, cfg)
     rows = asyncio.run(stage(batch)).to_pylist()
     truth = OrthrusEngine(other, max_batch_size=6, speculative=False).generate(
-        batch["__prompt_token_ids"].to_pylist(), SamplingParams(max_new_tokens=12))
+        [r["prompt_token_ids"] for r in batch["__request"].to_pylist()], SamplingParams(max_new_tokens=12))
     mine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(str(tiny_orthrus_dir)), max_batch_size=6).generate(
-        batch["__prompt_token_ids"].to_pylist(), SamplingParams(max_new_tokens=12))
+        [r["prompt_token_ids"] for r in batch["__request"].to_pylist()], SamplingParams(max_new_tokens=12))
     expected = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(mine, truth)]
     assert [r["audit_first_divergence"] for r in rows] == expected and any(e is not None for e in expected)
     assert [r["audit_match"] for r in rows] == [e is None for e in expected]
@@ -138,7 +138,7 @@ def test_row_timeout_turns_long_rows_into_error_rows_and_frees_their_slots(tmp_p
     assert len(rows) == 3
     for rid in ("long1", "long2"):
         r = rows[rid]
-        assert r["finish_reason"] == "error" and r["completion"] is None
+        assert r["finish_reason"] == "error" and r["generated_text"] is None
         assert "row timeout: aborted after" in r["error"] and "behaviour.row_timeout_s=0.001" in r["error"]
     # the short row was admitted only when a long one gave up its slot; it may time out too, no other way
     assert rows["short"]["finish_reason"] == "length" or "row timeout: aborted after" in rows["short"]["error"]

@@ -145,9 +145,10 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     first = out[0]
     text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
-    assert first["__prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
-    assert first["num_prompt_tokens"] == len(first["__prompt_token_ids"]) and first["source"] == "a"
-    assert first["__temperature"] == 0.9 and out[2]["__temperature"] == 0.5  # row override wins
+    assert first["__request"]["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert first["num_input_tokens"] == len(first["__request"]["prompt_token_ids"]) and first["source"] == "a"
+    assert first["__request"]["temperature"] == 0.9 and out[2]["__request"]["temperature"] == 0.5  # row override wins
+    assert "sampling_params" not in first and out[3]["__request"] is None        # "neither": no request
     assert first["seed"] == derive_seed(7, "ok-msg", 0) != out[1]["seed"]
 
 
@@ -179,13 +180,14 @@ def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_d
                   sampling={"max_new_tokens": 3, "stop_token_ids": [first]}, engine={"max_seq_len": 64})
     inputs = preflight(cfg).inputs
     batch = preprocess_batch(read_file(inputs, 0, 1), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
-    stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, use_gpu=False))
+    stage = GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False))
     rows = {r["id"]: r for r in asyncio.run(stage(batch)).to_pylist()}
     stop = rows["stop"]  # stopped on its first token: counted, but not part of the text
-    assert (stop["finish_reason"], stop["num_completion_tokens"], stop["completion"]) == ("stop", 1, "")
+    assert (stop["finish_reason"], stop["num_generated_tokens"], stop["generated_text"]) == ("stop", 1, "")
+    assert stop["generated_tokens"] == [first] and stop["token_logprobs"] is None
     assert stop["accept_length_histogram"] and stop["model"] == str(tiny_orthrus_dir) and stop["error"] is None
     long = rows["long"]
-    assert long["finish_reason"] == "error" and long["completion"] is None
+    assert long["finish_reason"] == "error" and long["generated_text"] is None
     assert "invalid request: prompt has" in long["error"] and "max_seq_len=64" in long["error"]
 
 
@@ -198,7 +200,7 @@ def test_detokenize_uses_the_engines_stop_text_and_decodes_the_rest():
                       S.STOP_TEXT: ["cut here", None, None], "finish_reason": ["stop", "length", "error"],
                       "error": [None, None, "boom"]})
     rows = detokenize_batch(batch, tok).to_pylist()
-    assert [r["completion"] for r in rows] == ["cut here", tok.decode(ids), None]
+    assert [r["generated_text"] for r in rows] == ["cut here", tok.decode(ids), None]
     assert [r["error"] for r in rows] == [None, None, "boom"] and S.STOP_TEXT not in rows[0]
 
 

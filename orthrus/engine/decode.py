@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from orthrus import rng
+from orthrus.engine import logprobs
 from orthrus.model.attention import BlockBatch
 from orthrus.model.cache import RaggedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 from orthrus.engine.packed import pack
 from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason
+from orthrus.params import MAX_LOGPROBS
 from orthrus.sampling import SamplingTensors, accept, greedy_accept, process, sample
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
@@ -40,6 +42,10 @@ class SlotState:
         # positions < prompt_len, never overwritten while the row runs) it lets a later request with
         # the same prompt start from this slot's prefill instead of computing its own.
         self.prompt_hidden = torch.zeros((num_slots, hidden_size), dtype=dtype, device=device)
+        # The first token's logprobs, from the prefill's logits, until the row's first iteration packs them.
+        self.first_lp = z(torch.float64)
+        self.first_top_lp = torch.zeros((num_slots, MAX_LOGPROBS), dtype=torch.float64, device=device)
+        self.first_top_id = torch.zeros((num_slots, MAX_LOGPROBS), dtype=torch.long, device=device)
 
     def widen(self, stop_width: int) -> None:
         """Room for ``stop_width`` stop ids per slot, keeping every slot's current ones."""
@@ -127,14 +133,17 @@ def _prompt_states(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotStat
 
 
 def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, pb: PrefillBatch,
-            filtered: bool, all_greedy: bool, max_seq_len: int) -> None:
+            filtered: bool, all_greedy: bool, max_seq_len: int, lp_width: int | None = None) -> None:
     """Prefill the admitted slots (each distinct prompt at most once) and sample every row's first
-    anchor from its own seed."""
+    anchor from its own seed; with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""
     _prompt_states(model, cache, st, pb)
     slots, row_lens = pb.slots, pb.row_lens
-    probs = process(model.logits(st.prompt_hidden[slots])[:, None], st.sampling(slots, filtered, all_greedy))
+    logits = model.logits(st.prompt_hidden[slots])[:, None]                 # [b, 1, V]
+    probs = process(logits, st.sampling(slots, filtered, all_greedy))
     u_first = rng.uniforms(st.seed[slots], torch.zeros_like(row_lens), rng.STREAM_FIRST, 1)
     first = sample(probs, u_first)[:, 0]                                     # [b]
+    if lp_width is not None:
+        logprobs.store_first(st, slots, logits, first, lp_width)
     cache.lengths[slots] = row_lens
     st.prompt_len[slots] = row_lens
     st.out_count[slots] = 0
@@ -159,8 +168,9 @@ def _write_offsets(cache: RaggedKVCache, st: SlotState, slots: torch.Tensor) -> 
 
 
 def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: torch.Tensor,
-            n_acc: torch.Tensor, nxt: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """Apply one cycle's outcome to live rows (crop = length update) and pack it for the host."""
+            n_acc: torch.Tensor, nxt: torch.Tensor, max_seq_len: int, lp_block: torch.Tensor | None) -> torch.Tensor:
+    """Apply one cycle's outcome to live rows (crop = length update) and pack it for the host, with
+    the iteration's logprob block (``logprobs.block``, computed before the commit) if there is one."""
     alive = st.alive[slots]
     n_emit, reason = stop_cut(emitted, n_acc, st, slots, max_seq_len)
     n_emit = n_emit * alive
@@ -173,13 +183,16 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
     st.alive[slots] = alive & (new_reason == RUNNING)
     first = st.first[slots]
     st.first[slots] = -1
-    return pack(emitted, n_emit, n_acc * alive, new_reason, alive, first)    # [b, W + 5]
+    packed = pack(emitted, n_emit, n_acc * alive, new_reason, alive, first)  # [b, W + 5]
+    return packed if lp_block is None else torch.cat([packed, lp_block], 1)
 
 
 def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: RaggedKVCache,
                       st: SlotState, slots: torch.Tensor, all_slots: bool, kv_len: int, k: int,
-                      filtered: bool, all_greedy: bool, max_seq_len: int) -> torch.Tensor:
-    """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``."""
+                      filtered: bool, all_greedy: bool, max_seq_len: int, lp_width: int | None = None
+                      ) -> torch.Tensor:
+    """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``; with
+    ``lp_width`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits."""
     b = slots.shape[0]
     n = _write_offsets(cache, st, slots)                                      # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
@@ -198,17 +211,20 @@ def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: Ragg
         q = process(q_logits, sp)
         drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
         block = torch.cat([anchor[:, None], drafts], 1)                             # [b, K]
-        p = process(model.logits(model.forward_cached(block, cache, verify_view, diffusion=False)), sp)
+        p_logits = model.logits(model.forward_cached(block, cache, verify_view, diffusion=False))  # [b, K, V]
+        p = process(p_logits, sp)
         n_acc, nxt = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
                             rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
     i = torch.arange(k, device=n.device)[None, :]
     emitted = torch.where(i < n_acc[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
-    return _commit(st, cache, slots, emitted, n_acc, nxt, max_seq_len)
+    lp = None if lp_width is None else logprobs.block(st, slots, p_logits, emitted, lp_width)
+    return _commit(st, cache, slots, emitted, n_acc, nxt, max_seq_len, lp)
 
 
 def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
-            all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool, max_seq_len: int) -> torch.Tensor:
-    """One plain AR step (our baseline) on the same cache and bookkeeping."""
+            all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool, max_seq_len: int,
+            lp_width: int | None = None) -> torch.Tensor:
+    """One plain AR step (our baseline) on the same cache and bookkeeping (logprobs as in a cycle)."""
     n = _write_offsets(cache, st, slots)
     pos = n[:, None]                                                          # [b, 1]
     view = BlockBatch(None if all_slots else slots, pos, pos + 1, kv_len)
@@ -219,4 +235,5 @@ def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slot
     else:
         p = process(logits, st.sampling(slots, filtered, all_greedy))
         nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
-    return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, max_seq_len)
+    lp = None if lp_width is None else logprobs.block(st, slots, logits, nxt[:, None], lp_width)
+    return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, max_seq_len, lp)

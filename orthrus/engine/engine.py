@@ -2,11 +2,11 @@
 
 Requests come and go at any time (``add_request`` / ``abort_request``); each ``step`` is one
 iteration: admit waiting requests into free slots (one padded prefill, one per distinct prompt),
-run one speculative cycle (or AR step) on the occupied slots, read back ONE packed int tensor, fold
-it into the numpy slot table, scan the rows that have stop strings, and return the requests that
-finished. ``generate`` is add + step until done. Device work lives in ``decode.py``, host
-bookkeeping in ``slot_table.py``, admission and shared prefills in ``scheduler.py``, stop strings in
-``stop_strings.py``.
+run one speculative cycle (or AR step) on the occupied slots, read back ONE packed int tensor (with
+the rows' logprobs in it when any row asked: ``logprobs.py``), fold it into the numpy slot table,
+scan the rows that have stop strings, and return the requests that finished. ``generate`` is add +
+step until done. Device work lives in ``decode.py``, host bookkeeping in ``slot_table.py``,
+admission and shared prefills in ``scheduler.py``, stop strings in ``stop_strings.py``.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class OrthrusEngine:
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
         self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device, cfg.hidden_size,
                                       param.dtype)
-        self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len)
+        self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
         self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
@@ -122,6 +122,9 @@ class OrthrusEngine:
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit max_seq_len={self.max_seq_len} "
                              "leaves no room to generate")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
+                             f"({self.vocab_size} tokens)")
         if params.stop and self.stops is None:
             raise ValueError("SamplingParams.stop needs a tokenizer: build the engine with OrthrusEngine(..., tokenizer=...)")
 
@@ -210,7 +213,7 @@ class OrthrusEngine:
         self._aborted.clear()
         self._abort_slots.clear()
         self._retained.clear()
-        self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len)
+        self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
         self.state.reset()
         self.cache.reset()
 
@@ -261,6 +264,7 @@ class OrthrusEngine:
     def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
         """Free ``slot`` and build its request's output."""
         req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
+        lp = self.table.logprobs.release(slot, len(tokens))
         del self._requests[req.request_id]
         # A freed slot keeps its prompt's K/V for later requests with the same prompt, unless
         # something may have written there: a static-shape iteration pads with free slots, and a row
@@ -268,9 +272,9 @@ class OrthrusEngine:
         if not self.static_shapes and stats.num_cycles + stats.num_ar_steps > 0:
             self._retained[slot] = req.key
         if hit is not None:
-            return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text)
+            return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text, lp)
         stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
-        return req.output(tokens, reason, stop_reason, stats)
+        return req.output(tokens, reason, stop_reason, stats, logprobs=lp)
 
     def _decode(self, slots: np.ndarray) -> list[RequestOutput]:
         """One cycle (or AR step) over the occupied ``slots`` → the requests that finished in it."""
@@ -279,8 +283,10 @@ class OrthrusEngine:
             self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
         policy = self.policy if self._mode == "auto" else None
         k = policy.choose(len(slots)) if policy else (self.block_size if self._mode else AR)
+        lp = self.table.logprobs.width(slots)      # None: no row asked, no logprob work or transfer
         start = time.perf_counter()
-        out = Packed.unpack(self._iterate(self.state, slots, self.table.kv_len(slots), k, filtered, all_greedy))
+        out = Packed.unpack(self._iterate(self.state, slots, self.table.kv_len(slots), k, filtered, all_greedy, lp),
+                            lp)
         self.iterations += 1
         self.busy_slot_iterations += len(slots)
         done, reasons, tokens, live = self.table.record(slots, out, k)
@@ -321,33 +327,35 @@ class OrthrusEngine:
         self._prefill(free, reqs, donors)
 
     def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
-                 all_greedy: bool) -> np.ndarray:
+                 all_greedy: bool, lp: int | None) -> np.ndarray:
         """A cycle with block size ``k`` (or an AR step, k = 0) over the occupied ``slots`` → their
-        packed results, on the host."""
+        packed results (with logprobs of top-k width ``lp`` unless None), on the host."""
         if not self.static_shapes:
             packed = self._device_iteration(st, torch.as_tensor(slots, device=self.device),
-                                            len(slots) == self.max_batch_size, kv_len, k, filtered, all_greedy)
+                                            len(slots) == self.max_batch_size, kv_len, k, filtered, all_greedy, lp)
             return packed.cpu().numpy()  # SYNC: the one device→host read per iteration
         padded, where = pad_slots(slots, self.max_batch_size)
         all_slots, capacity = len(padded) == self.max_batch_size, self.cache.capacity
-        packed = self.graphs.run((k, len(padded), filtered, all_greedy), padded, lambda s: self._device_iteration(
-            st, s, all_slots, capacity, k, filtered, all_greedy))
+        packed = self.graphs.run((k, len(padded), filtered, all_greedy, lp), padded, lambda s: self._device_iteration(
+            st, s, all_slots, capacity, k, filtered, all_greedy, lp))
         return packed.cpu().numpy()[where]  # SYNC: the one device→host read per iteration
 
     def _device_iteration(self, st: decode.SlotState, slots_t: torch.Tensor, all_slots: bool, kv_len: int,
-                          k: int, filtered: bool, all_greedy: bool) -> torch.Tensor:
-        """The device work of one iteration over ``slots_t`` → packed result ``[b, W + 5]`` (no host reads)."""
+                          k: int, filtered: bool, all_greedy: bool, lp: int | None = None) -> torch.Tensor:
+        """The device work of one iteration over ``slots_t`` → packed result ``[b, W + 5]``, plus the
+        logprob block when ``lp`` is a top-k width (no host reads)."""
         if k != AR:
             return decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots, kv_len,
-                                            k, filtered, all_greedy, self.max_seq_len)
+                                            k, filtered, all_greedy, self.max_seq_len, lp)
         return decode.ar_step(self.model, self.cache, st, slots_t, all_slots, kv_len, filtered, all_greedy,
-                              self.max_seq_len)
+                              self.max_seq_len, lp)
 
     def _prefill(self, slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int]) -> None:
         """Load admitted requests into their slots and prefill them (a prompt computed at most once)."""
         batch, computed = scheduler.prefill_batch(slots, reqs, donors, self.device)
         scheduler.load_slots(self.state, batch.slots, reqs, self.eos_token_ids)
-        decode.prefill(self.model, self.cache, self.state, batch, *self.table.flags(slots), self.max_seq_len)
+        decode.prefill(self.model, self.cache, self.state, batch, *self.table.flags(slots), self.max_seq_len,
+                       self.table.logprobs.width(slots))
         self.prefill_tokens += computed
 
 

@@ -28,7 +28,8 @@ import torch
 
 from orthrus.engine.policy import SpeculationPolicy
 
-GraphKey = tuple[int, int, bool, bool]   # (block size or 0 = AR step, rows, filtered, all_greedy)
+GraphKey = tuple[int, int, bool, bool, int | None]   # (block size or 0 = AR step, rows, filtered, all_greedy,
+                                                   #  logprob top-k width or None = off)
 
 
 def bucket(occupancy: int, num_slots: int) -> int:

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from orthrus.engine.logprobs import TokenLogprobs
 from orthrus.params import RowStats, SamplingParams
 
 
@@ -31,6 +32,11 @@ class RequestOutput:
     stop string, the decoded completion cut exactly before the stop string (a string that starts
     inside a token keeps that token's earlier characters here). ``stop_reason``: the stop string or
     stop token id that ended the row, else None.
+
+    Logprobs (only for requests with ``SamplingParams.logprobs`` set, else all None):
+    ``token_logprobs`` one per entry of ``token_ids``, the AR model's log-softmax of its raw logits
+    at that position; ``top_logprobs`` per position the k most likely ``(token id, logprob)`` pairs,
+    descending (None unless logprobs > 0); ``cumulative_logprob`` their sum.
     """
 
     request_id: str
@@ -42,6 +48,9 @@ class RequestOutput:
     text: str | None = None
     queue_seconds: float = 0.0       # from add_request to admission into a slot
     engine_seconds: float = 0.0      # from admission to finish
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    cumulative_logprob: float | None = None
 
 
 # The result type of ``generate`` (kept for callers of the one-shot API).
@@ -68,9 +77,15 @@ class Request:
         self.key = tuple(self.prompt)
 
     def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
-               stats: RowStats, text: str | None = None) -> RequestOutput:
-        """This request's result, timed now."""
+               stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """This request's result, timed now (``logprobs`` aligned with ``token_ids``; none given for
+        a request that asked for them means no tokens)."""
         now = time.perf_counter()
         admitted = self.admitted if self.admitted is not None else now
+        k = self.params.logprobs
+        if k is not None and logprobs is None:
+            logprobs = TokenLogprobs([], [] if k > 0 else None)
+        lp = {} if k is None else dict(token_logprobs=logprobs.token, top_logprobs=logprobs.top,
+                                       cumulative_logprob=logprobs.cumulative)
         return RequestOutput(self.request_id, token_ids, reason.label, stop_reason, stats, self.seed, text,
-                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted)
+                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, **lp)

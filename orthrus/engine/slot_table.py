@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from orthrus.engine.logprobs import LogprobBook
 from orthrus.engine.packed import Packed
 from orthrus.params import RowStats
 from orthrus.engine.requests import FinishReason, Request
 
 
 class SlotTable:
-    """Slots ↔ requests, per-slot output buffers ``[B, capacity]`` and counters."""
+    """Slots ↔ requests, per-slot output buffers ``[B, capacity]`` and counters; the rows'
+    logprobs in ``logprobs`` (``vocab_size`` bounds their top-k width)."""
 
-    def __init__(self, num_slots: int, width: int, capacity: int) -> None:
+    def __init__(self, num_slots: int, width: int, capacity: int, vocab_size: int) -> None:
         self.width = width
         self.requests: list[Request | None] = [None] * num_slots
         self.busy_mask = np.zeros(num_slots, dtype=bool)
@@ -33,6 +35,7 @@ class SlotTable:
         self.drafted = np.zeros(num_slots, dtype=np.int64)
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
+        self.logprobs = LogprobBook(num_slots, self.tokens.shape[1], vocab_size)
 
     def free_slots(self) -> np.ndarray:
         """Empty slots, ascending."""
@@ -59,6 +62,7 @@ class SlotTable:
         self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
                                 for r in requests]
         self.has_stops[slots] = [bool(r.params.stop) for r in requests]
+        self.logprobs.admit(slots, requests)
 
     def kv_len(self, slots: np.ndarray) -> int:
         """Host-known bound on keys a block at these slots can see (no device read needed)."""
@@ -69,6 +73,8 @@ class SlotTable:
         """Fold one iteration in (``block_size`` 0 = an AR step) → (finished slots, their reason codes,
         sum of L+1 over live rows, number of live rows)."""
         new = out.first >= 0
+        if out.logprobs is not None:
+            self.logprobs.record(slots, new, self.count[slots], out.n_emit, out.logprobs)
         self.tokens[slots[new], 0] = out.first[new]
         self.count[slots[new]] = 1
         w = out.emitted.shape[1]

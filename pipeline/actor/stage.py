@@ -20,7 +20,7 @@ and its batches retried. ``faults.py`` can simulate the out-of-memory case for t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import hashlib
 import os
 import time
 import uuid
@@ -31,29 +31,29 @@ import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline.rows import schema as S
+from pipeline.rows.errors import ERROR, row_error
+from pipeline.rows.request import REQUEST, from_arrow
 from pipeline.actor.audit import first_divergence, is_audited
-from pipeline.config import AuditConfig, EngineConfig, ModelConfig, SamplingConfig, StorageConfig
+from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
 from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy
 from pipeline.actor.faults import FAULT_ENV, FaultInjector
 from pipeline.report.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
 
-_DROP = [S.PROMPT_IDS, S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS, "error", "seed"]
-
-
 @dataclass(frozen=True)
 class StagePlan:
     """Constructor argument of :class:`GenerationStage`."""
 
     model: ModelConfig
-    engine: EngineConfig
-    sampling: SamplingConfig
+    engine: EngineKwargs
     use_gpu: bool
     audit: AuditConfig = AuditConfig()
     row_timeout_s: float | None = None
     fault_inject: str | None = None   # test-only, see faults.py; None in production
     storage: StorageConfig = StorageConfig()
+    detokenize: bool = True           # False: generated_text stays null (ids only)
+    batch_records: bool = False       # the job's driver reads one ``__batch`` record per batch
 
 
 def _torch_dtype(name: str, device: str) -> torch.dtype:
@@ -85,7 +85,7 @@ class GenerationStage:
         self.engine = self._engine(model, plan.engine.max_batch_size, plan.engine.speculative)
         # The audit engine: plain AR on the same weights, its own (small) KV cache, same loop thread.
         audit = self._engine(model, plan.audit.max_batch_size, False) if plan.audit.fraction > 0 else None
-        self.stop_ids = set(self.engine.eos_token_ids) | set(plan.sampling.stop_token_ids)
+        self.eos_ids = frozenset(self.engine.eos_token_ids)
         self.loop = EngineLoop(self.engine, audit, plan.row_timeout_s)
         self.actor, self.gpu_ids = _actor_identity()
         self.metrics = _actor_metrics(self.actor)
@@ -103,16 +103,6 @@ class GenerationStage:
         return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
                              speculative=speculative, tokenizer=self.tokenizer)
-
-    def _params(self, batch: pa.Table) -> list[SamplingParams | None]:
-        cols = {name: batch[name].to_pylist() for name in
-                (S.TEMPERATURE, S.TOP_P, S.TOP_K, S.MAX_NEW_TOKENS, "seed", "error")}
-        stop_ids, stop = tuple(self.plan.sampling.stop_token_ids), tuple(self.plan.sampling.stop)
-        return [None if cols["error"][i] is not None else
-                SamplingParams(temperature=cols[S.TEMPERATURE][i], top_p=cols[S.TOP_P][i], top_k=cols[S.TOP_K][i],
-                               max_new_tokens=cols[S.MAX_NEW_TOKENS][i], seed=cols["seed"][i],
-                               stop_token_ids=stop_ids, stop=stop)
-                for i in range(batch.num_rows)]
 
     async def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
                         ) -> list[RequestOutput | Exception]:
@@ -152,38 +142,34 @@ class GenerationStage:
         left = await self._isolate(ids[:half], prompts[:half], params[:half])
         return left + await self._isolate(ids[half:], prompts[half:], params[half:])
 
-    def _check(self, prompts: list[list[int]], params: list[SamplingParams | None],
-               errors: list[str | None]) -> list[int]:
+    def _check(self, requests: list, errors: list[str | None]) -> list[int]:
         """Indices of rows to decode; the engine's request check turns the rest into error rows."""
         todo = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            if errors[i] is not None:
+        for i, r in enumerate(requests):
+            if errors[i] is not None or r is None:
+                errors[i] = errors[i] or row_error("not generated: the row has no request")
                 continue
             try:
-                self.engine.check_request(prompt, p)
+                self.engine.check_request(*r)
             except ValueError as e:
-                errors[i] = f"invalid request: {e}"
+                errors[i] = row_error("invalid request", str(e))
                 continue
-            # No row can outgrow the context, so a huge max_new_tokens only sizes host buffers for
-            # nothing; clamping changes no token (the context limit ends the row at the same point).
-            room = self.engine.max_seq_len - len(prompt)
-            if p.max_new_tokens > room:
-                params[i] = dataclasses.replace(p, max_new_tokens=room)
             todo.append(i)
         return todo
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         call_start, arrival, started = time.perf_counter(), self.loop.occupancy(), time.time()
-        errors = batch["error"].to_pylist()
-        prompts = batch[S.PROMPT_IDS].to_pylist()
-        params = self._params(batch)
-        todo = self._check(prompts, params, errors)
+        errors = batch[ERROR].to_pylist() if ERROR in batch.column_names else [None] * batch.num_rows
+        requests = from_arrow(batch[REQUEST])
+        todo = self._check(requests, errors)
+        prompts = [r[0] if r else None for r in requests]
+        params = [r[1] if r else None for r in requests]
         results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
         audits: dict[int, int | None] = {}      # audited row -> its first divergence (None: equal to AR)
         if self.faults:
             await self.faults.slow_down()
         if todo:
-            ids = batch["id"].to_pylist()
+            ids = _row_keys(batch, requests)
             audited = [i for i in todo if params[i].temperature == 0 and is_audited(ids[i], self.plan.audit.fraction)]
             out, ar = await asyncio.gather(
                 self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo]),
@@ -194,9 +180,9 @@ class GenerationStage:
                 if isinstance(results[i], RequestOutput) and r is not None and r.finish_reason != "abort":
                     audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
-        table = self._assemble(batch, results, errors, params, audits, (started, seconds),
+        table = self._assemble(batch, results, errors, audits, (started, seconds),
                                (arrival, self.loop.occupancy()))
-        table = detokenize_batch(table, self.tokenizer)
+        table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
         end = self.loop.occupancy()
         if self.metrics is not None:
             try:
@@ -210,12 +196,12 @@ class GenerationStage:
     def _finished(self, r: RequestOutput | Exception, i: int, errors: list[str | None]) -> RequestOutput | None:
         """A decoded row's result, or None with ``errors[i]`` set (a failed or timed-out row)."""
         if isinstance(r, Exception):
-            errors[i] = f"decoding failed: {type(r).__name__}: {r}"
+            errors[i] = row_error("decoding failed", r)
             return None
         if r.finish_reason == "abort":   # only the row timeout aborts a request that reaches here
-            errors[i] = (f"row timeout: aborted after {r.engine_seconds:.1f} s in the engine "
-                         f"(behaviour.row_timeout_s={self.plan.row_timeout_s}) with {len(r.token_ids)} "
-                         "tokens generated")
+            errors[i] = row_error(f"row timeout: aborted after {r.engine_seconds:.1f} s in the engine "
+                                  f"(behaviour.row_timeout_s={self.plan.row_timeout_s}) with {len(r.token_ids)} "
+                                  "tokens generated")
             return None
         return r
 
@@ -230,45 +216,33 @@ class GenerationStage:
                   "columns stay null", flush=True)
             return [None] * len(prompts)
 
-    def _text_ids(self, r: RequestOutput) -> list[int]:
+    def _text_ids(self, r: RequestOutput, p: SamplingParams) -> list[int]:
         """Generated ids minus the stop token that ended the row (it is not part of the text)."""
         ids = list(r.token_ids)
-        if r.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+        if r.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in p.stop_token_ids):
             ids.pop()
         return ids
 
-    def _assemble(self, batch: pa.Table, results: list, errors: list[str | None],
-                  params: list[SamplingParams | None], audits: dict[int, int | None], call_time: tuple[float, float],
-                  occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
+    def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], audits: dict[int, int | None],
+                  call_time: tuple[float, float], occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
+        """The batch's rows with the generation columns (the processor's contract, ``schema.GENERATED``)."""
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
+        params = [r[1] if r else None for r in from_arrow(batch[REQUEST])]
         started, call_seconds = call_time
-        stat = lambda name: [getattr(r.stats, name) if r else None for r in ok]  # noqa: E731
         n = batch.num_rows
-        cols = {
-            "finish_reason": (pa.string(), [r.finish_reason if r else "error" for r in ok]),
-            "error": (pa.string(), [None if r else (e or "not decoded") for r, e in zip(ok, errors)]),
-            "num_completion_tokens": (pa.int64(), [len(r.token_ids) if r else None for r in ok]),
-            "num_cycles": (pa.int64(), stat("num_cycles")),
-            "num_forward_passes": (pa.int64(), stat("num_forward_passes")),
-            "num_draft_tokens": (pa.int64(), stat("num_draft_tokens")),
-            "num_accepted_draft_tokens": (pa.int64(), stat("num_accepted_draft_tokens")),
-            "tokens_per_cycle": (pa.float64(), [float(r.stats.tokens_per_cycle) if r else None for r in ok]),
-            "accept_length_histogram": (pa.list_(pa.int64()), [list(r.stats.accept_length_histogram) if r else None
-                                                               for r in ok]),
-            "num_tokens_after_stop": (pa.int64(), stat("num_tokens_after_stop")),
-            "time_waiting_s": (pa.float64(), [r.queue_seconds if r else None for r in ok]),
-            "time_in_engine_s": (pa.float64(), [r.engine_seconds if r else None for r in ok]),
-            "batch_wall_seconds": (pa.float64(), [call_seconds] * n),
-            "audit_match": (pa.bool_(), [audits[i] is None if i in audits else None for i in range(n)]),
-            "audit_first_divergence": (pa.int64(), [audits.get(i) for i in range(n)]),
-            "seed": (pa.int64(), [p.seed if p else s for p, s in zip(params, batch["seed"].to_pylist())]),
-            "model": (pa.string(), [self.plan.model.path] * n),
-            S.TEXT_IDS: (pa.list_(pa.int32()), [self._text_ids(r) if r else None for r in ok]),
-            S.STOP_TEXT: (pa.string(), [r.text if r else None for r in ok]),
-        }
-        table = batch.drop_columns(_DROP)
-        for name, (typ, values) in cols.items():
+        cols = {**_result_columns(ok, errors),
+                "batch_wall_seconds": [call_seconds] * n,
+                "audit_match": [audits[i] is None if i in audits else None for i in range(n)],
+                "audit_first_divergence": [audits.get(i) for i in range(n)],
+                "model": [self.plan.model.path] * n,
+                S.TEXT_IDS: [self._text_ids(r, p) if r else None for r, p in zip(ok, params)],
+                S.STOP_TEXT: [r.text if r else None for r in ok]}
+        table = batch.drop_columns([c for c in (REQUEST, ERROR) if c in batch.column_names])
+        for name, values in cols.items():
+            typ = S.GENERATED_TYPES[name]
             table = table.append_column(pa.field(name, typ), pa.array(values, typ))
+        if not self.plan.batch_records:
+            return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
                   "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
                   "occupancy": _flat(occupancy)}
@@ -283,6 +257,41 @@ class GenerationStage:
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}]: batch of {rows} rows, {tokens} tokens in "
               f"{seconds:.2f}s (actor total {self.total_tokens} tokens, "
               f"{self.total_tokens / max(engine_seconds, 1e-9):.1f} tok/s of engine time)", flush=True)
+
+
+def _row_keys(batch: pa.Table, requests: list) -> list[str]:
+    """A stable key per row (audit selection, fault tests): its ``id``, or without one (a user's
+    dataset) a digest of its request, so a rerun audits the same rows."""
+    if "id" in batch.column_names:
+        return [str(i) for i in batch["id"].to_pylist()]
+    return [hashlib.blake2b(repr(r).encode(), digest_size=8).hexdigest() for r in requests]
+
+
+def _top(r: RequestOutput) -> list | None:
+    if r.top_logprobs is None:
+        return None
+    return [[{"id": i, "logprob": v} for i, v in position] for position in r.top_logprobs]
+
+
+def _result_columns(ok: list[RequestOutput | None], errors: list[str | None]) -> dict[str, list]:
+    """Per-row values of what the engine returned (None on error rows)."""
+    stat = lambda name: [getattr(r.stats, name) if r else None for r in ok]  # noqa: E731
+    return {
+        "generated_tokens": [list(r.token_ids) if r else None for r in ok],
+        "num_generated_tokens": [len(r.token_ids) if r else None for r in ok],
+        "finish_reason": [r.finish_reason if r else "error" for r in ok],
+        ERROR: [None if r else (e or row_error("not decoded")) for r, e in zip(ok, errors)],
+        "num_cycles": stat("num_cycles"), "num_forward_passes": stat("num_forward_passes"),
+        "num_draft_tokens": stat("num_draft_tokens"), "num_accepted_draft_tokens": stat("num_accepted_draft_tokens"),
+        "tokens_per_cycle": [float(r.stats.tokens_per_cycle) if r else None for r in ok],
+        "accept_length_histogram": [list(r.stats.accept_length_histogram) if r else None for r in ok],
+        "num_tokens_after_stop": stat("num_tokens_after_stop"),
+        "token_logprobs": [r.token_logprobs if r else None for r in ok],
+        "top_logprobs": [_top(r) if r else None for r in ok],
+        "cumulative_logprob": [r.cumulative_logprob if r else None for r in ok],
+        "time_waiting_s": [r.queue_seconds if r else None for r in ok],
+        "time_in_engine_s": [r.engine_seconds if r else None for r in ok],
+    }
 
 
 def _actor_metrics(actor: str) -> ActorMetrics | None:

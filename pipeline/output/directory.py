@@ -8,6 +8,7 @@ Layout::
     <output>/_lease.json, _leases/          the running job's exclusive lease (``storage/lease.py``)
     <output>/_logs/                         crash reports (traceback of an unexpected failure)
     <output>/retried/                       error rows that --retry-errors took out of data/ (``repair.py``)
+    <output>/_staged/                       JSONL inputs converted to Parquet (``rows/staging.py``)
     <output>/summary.json, summary.png
 
 Exactly once: the driver is the only writer, and a part appears whole or not at all (``store.py``:
@@ -44,7 +45,10 @@ from pipeline.storage.uris import STORE_ERRORS, is_remote, local_path, locate
 
 DATA_DIR, TMP_DIR, MARKER, LOGS_DIR, RETRIED_DIR = "data", "_tmp", "_job.json", "_logs", "retried"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
-_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR, RETRIED_DIR}   # replaced by --overwrite
+STAGED_DIR = "_staged"                                         # JSONL inputs as Parquet (rows/staging.py)
+RESULTS_JSONL, ERRORS_JSONL = "results.jsonl", "errors.jsonl"   # output.format renderings (export.py)
+_OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR, RETRIED_DIR,
+         RESULTS_JSONL, ERRORS_JSONL, STAGED_DIR}   # replaced by --overwrite
 
 
 class OutputWriteError(RuntimeError):

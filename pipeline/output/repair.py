@@ -20,20 +20,9 @@ import pyarrow.compute as pc
 
 from pipeline.output.directory import RETRIED_DIR, OutputDir, archive, replace_part
 from pipeline.output.sources import merge, subtract
+from pipeline.tasks import map_tasks
 
 __all__ = ["RETRIED_DIR", "dedupe", "retry_errors"]
-
-
-def _map(fn, calls: list[tuple]) -> list:
-    """``fn(*args)`` for each call: as Ray tasks when Ray is up (the driver only gets counts back)."""
-    import ray
-
-    if not calls:
-        return []
-    if not ray.is_initialized():
-        return [fn(*args) for args in calls]
-    task = ray.remote(fn).options(num_cpus=1, max_retries=3)
-    return ray.get([task.remote(*args) for args in calls])
 
 
 def _overlaps(footers) -> list[tuple[str, dict[str, np.ndarray]]]:
@@ -86,7 +75,7 @@ def dedupe(out: OutputDir) -> int:
     """Keep the first committed copy of each key (parts in commit order) → rows removed."""
     affected = _overlaps(out.footers())
     out.check_lease()
-    return sum(_map(_dedupe_part, [(out, part, drop) for part, drop in affected]))
+    return sum(map_tasks(_dedupe_part, [(out, part, drop) for part, drop in affected]))
 
 
 def _retry_part(out: OutputDir, part: str, run_id: str) -> int:
@@ -110,4 +99,4 @@ def retry_errors(out: OutputDir) -> int:
     """Move every error row out of ``data/`` into ``retried/`` (one file per affected part) → rows moved."""
     parts = [f.path for f in out.footers() if f.stats is None or f.stats.get("error", 1)]
     out.check_lease()
-    return sum(_map(_retry_part, [(out, p, out.run_id) for p in parts]))
+    return sum(map_tasks(_retry_part, [(out, p, out.run_id) for p in parts]))

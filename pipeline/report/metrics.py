@@ -63,7 +63,7 @@ class ActorMetrics:
             self.rows.inc(table.num_rows - ok.num_rows, tags={"status": "error"})
         batch = [column_sum(ok[name]) for name in ("num_cycles", "num_draft_tokens", "num_accepted_draft_tokens")]
         for metric, value in zip((self.tokens, self.cycles, self.drafts, self.accepted),
-                                 (column_sum(ok["num_completion_tokens"]), *batch)):
+                                 (column_sum(ok["num_generated_tokens"]), *batch)):
             if value:
                 metric.inc(value)
         self._totals = [t + b for t, b in zip(self._totals, batch)]

@@ -1,5 +1,8 @@
 """Input preflight: resolve Parquet paths and check files and columns before any model loads.
 
+JSONL inputs reach this as Parquet too: ``staging.py`` converts them first, and ``resolve_files``
+also lists them (by suffix) for it.
+
 Runs on the driver, so it reads **footers only** (in parallel threads): file listing, schemas, row
 counts and row-group sizes. Its time and memory grow with the number of files, never with rows. A
 missing column, a column of the wrong type, schemas that cannot be unified or an unreadable footer
@@ -25,10 +28,14 @@ import pyarrow.parquet as pq
 
 from pipeline.rows.column_types import plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
-from pipeline.rows.schema import INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS
+from pipeline.rows.schema import GENERATED_FIELDS, INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, PROCESSOR_INPUTS
 from pipeline.storage.uris import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
 _GLOB_CHARS = set("*?[")
+PARQUET_SUFFIXES = (".parquet",)
+# Written by staging.py on rows it could not convert (a malformed JSONL line): consumed, never
+# passed through; the preprocessing makes it the row's error.
+INPUT_ERROR = "__input_error"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class InputPlan:
     partition_columns: tuple[str, ...] = ()   # their keys: string pass-through columns
     filesystem: pafs.FileSystem | None = None  # None: the local filesystem; else the store of every input
     scheme: str = "file"                # 's3', 'gs', ... for inputs in object storage
+    input_error: bool = False           # the inputs carry an INPUT_ERROR column (staged JSONL)
 
     @property
     def passthrough_fields(self) -> list[pa.Field]:
@@ -57,17 +65,19 @@ class InputPlan:
         return [self.schema.field(name) for name in self.passthrough]
 
 
-def _walk(directory: str) -> list[str]:
-    """Parquet files under ``directory``, skipping hidden and ``_``-prefixed entries (temp files)."""
+def _walk(directory: str, suffixes: tuple[str, ...]) -> list[str]:
+    """Files ending in one of ``suffixes`` under ``directory``, skipping hidden and ``_``-prefixed
+    entries (temp files)."""
     found = []
     for d, subdirs, names in os.walk(directory):
         subdirs[:] = [x for x in subdirs if not x.startswith((".", "_"))]
-        found += [os.path.join(d, f) for f in names if f.endswith(".parquet") and not f.startswith((".", "_"))]
+        found += [os.path.join(d, f) for f in names if f.endswith(suffixes) and not f.startswith((".", "_"))]
     return found
 
 
-def _expand(pattern: str, index: int) -> tuple[list[str], str]:
-    """Files matched by one ``input.paths`` entry, and the directory they were searched in."""
+def _expand(pattern: str, index: int, suffixes: tuple[str, ...], what: str) -> tuple[list[str], str]:
+    """Files matched by one ``input.paths`` entry, and the directory they were searched in. A glob
+    or a named file is taken whatever its suffix; a directory is searched for ``suffixes``."""
     where = f"input.paths[{index}] ({pattern!r})"
     if any(c in pattern for c in _GLOB_CHARS):
         files = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
@@ -76,13 +86,13 @@ def _expand(pattern: str, index: int) -> tuple[list[str], str]:
             root = os.path.dirname(root)
         root = root or "."
     elif os.path.isdir(pattern):
-        root, files = pattern, _walk(pattern)
+        root, files = pattern, _walk(pattern, suffixes)
     elif os.path.isfile(pattern):
         files, root = [pattern], pattern  # a single file: only the file itself is "the input"
     else:
         raise ConfigError(f"{where}: no such file or directory")
     if not files:
-        raise ConfigError(f"{where}: matched no Parquet files")
+        raise ConfigError(f"{where}: matched no {what} files")
     return [os.path.realpath(f) for f in files], os.path.realpath(root)
 
 
@@ -90,7 +100,7 @@ def _hidden(relative: str) -> bool:
     return any(part.startswith((".", "_")) for part in relative.split("/"))
 
 
-def _expand_remote(loc: Location, where: str) -> tuple[list[str], str]:
+def _expand_remote(loc: Location, where: str, suffixes: tuple[str, ...]) -> tuple[list[str], str]:
     """Like :func:`_expand`, on an object store or other remote filesystem."""
     if any(c in loc.path for c in _GLOB_CHARS):
         parts = loc.path.split("/")
@@ -105,14 +115,16 @@ def _expand_remote(loc: Location, where: str) -> tuple[list[str], str]:
     if found.type == pafs.FileType.NotFound:
         raise ConfigError(f"{where}: no such file or prefix")
     listed = list_files(loc, where)
-    return [f.path for f in listed if f.path.endswith(".parquet")
+    return [f.path for f in listed if f.path.endswith(suffixes)
             and not _hidden(f.path[len(loc.path):].lstrip("/"))], loc.path
 
 
-def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
+def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig(),
+                  suffixes: tuple[str, ...] = PARQUET_SUFFIXES, what: str = "Parquet"
                   ) -> tuple[list[str], list[str], Location | None]:
     """All input files (deduplicated, sorted), the directories they came from, and their filesystem
-    (None: local)."""
+    (None: local). Directories and prefixes are searched for files ending in ``suffixes``; ``what``
+    names those files in the error for an entry that matches none."""
     files: set[str] = set()
     roots: list[str] = []
     where = [f"input.paths[{i}] ({p!r})" for i, p in enumerate(cfg.paths)]
@@ -121,11 +133,11 @@ def resolve_files(cfg: InputConfig, storage: StorageConfig = StorageConfig()
         raise ConfigError(f"input.paths mixes filesystems ({', '.join(cfg.paths)}); put every input in one store")
     for i, (pattern, remote) in enumerate(zip(cfg.paths, locs)):
         if remote is not None:
-            found, root = _expand_remote(remote, where[i])
+            found, root = _expand_remote(remote, where[i], suffixes)
             if not found:
-                raise ConfigError(f"{where[i]}: matched no Parquet files")
+                raise ConfigError(f"{where[i]}: matched no {what} files")
         else:
-            found, root = _expand(local_path(pattern), i)
+            found, root = _expand(local_path(pattern), i, suffixes, what)
         files.update(found)
         roots.append(root)
     return sorted(files), roots, locs[0]
@@ -178,9 +190,16 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
         ok = lambda t: (is_text(t) or pa.types.is_null(t) or pa.types.is_list(t)  # noqa: E731
                         or pa.types.is_large_list(t))
         _check_type(messages, ok, "list of {role, content} or JSON string", schemas, files)
+    is_list = lambda t: pa.types.is_list(t) or pa.types.is_large_list(t)  # noqa: E731
     for name in overrides:
+        if name == "stop":   # a list of stop strings, or one
+            ok = lambda t: (is_text(t) or pa.types.is_null(t)  # noqa: E731
+                            or (is_list(t) and (is_text(t.value_type) or pa.types.is_null(t.value_type))))
+            _check_type(name, ok, "a list of strings or a string", schemas, files)
+            continue
         ok = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)  # noqa: E731
         _check_type(name, ok, "a number", schemas, files)
+    _check_type(INPUT_ERROR, lambda t: is_text(t) or pa.types.is_null(t), "string", schemas, files)
 
 
 def _unify(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
@@ -258,9 +277,11 @@ def inspect_inputs(cfg: InputConfig, storage: StorageConfig = StorageConfig()) -
                           f"or the messages column {cfg.messages_column!r} (input.messages_column); "
                           f"columns are {schema.names}")
     overrides = tuple(c for c in OVERRIDE_COLUMNS if c in schema.names)
-    consumed = {id_col, prompt, messages, *overrides} - {None}
+    input_error = INPUT_ERROR in schema.names
+    consumed = {id_col, prompt, messages, *overrides, INPUT_ERROR if input_error else None} - {None}
     passthrough = tuple(n for n in schema.names if n not in consumed)
-    clash = [n for n in passthrough if n in OUTPUT_NAMES or n.startswith(INTERNAL_PREFIX)]
+    reserved = {*OUTPUT_NAMES, *PROCESSOR_INPUTS, *(f.name for f in GENERATED_FIELDS)}
+    clash = [n for n in passthrough if n in reserved or n.startswith(INTERNAL_PREFIX)]
     if clash:
         raise ConfigError(f"input column {clash[0]!r} clashes with a column the job writes or uses; "
                           f"rename it (or set input.id_column if it is the id)")
@@ -270,4 +291,4 @@ def inspect_inputs(cfg: InputConfig, storage: StorageConfig = StorageConfig()) -
                      id_column=id_col, prompt_column=prompt, messages_column=messages,
                      override_columns=overrides, passthrough=passthrough, partition_base=base,
                      partition_columns=tuple(partitions), filesystem=fs,
-                     scheme=remote.scheme if remote else "file")
+                     scheme=remote.scheme if remote else "file", input_error=input_error)

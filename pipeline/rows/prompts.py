@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pipeline.config import PromptConfig
 
@@ -30,11 +31,26 @@ def _check_text(text: str, what: str) -> None:
         raise RowError(f"{what} is not valid Unicode: {e.reason} at position {e.start}") from None
 
 
-def uses_chat_template(cfg: PromptConfig, tokenizer) -> bool:
-    """Whether prompts go through the tokenizer's chat template ('auto' = if it has one)."""
-    if cfg.chat_template == "auto":
-        return bool(getattr(tokenizer, "chat_template", None))
-    return cfg.chat_template == "on"
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How rows become prompt text: whether to apply a chat template, which one, with what arguments."""
+
+    use: Literal["auto", "on", "off"] = "auto"   # 'auto': if the tokenizer (or ``template``) has one
+    template: str | None = None                 # a Jinja template replacing the tokenizer's own
+    kwargs: tuple[tuple[str, Any], ...] = ()    # extra template variables, e.g. (("enable_thinking", False),)
+
+    @classmethod
+    def of(cls, cfg: PromptConfig) -> "ChatTemplate":
+        """The job's ``prompt`` section."""
+        kwargs = () if cfg.enable_thinking is None else (("enable_thinking", cfg.enable_thinking),)
+        return cls(cfg.chat_template, None, kwargs)
+
+
+def uses_chat_template(cfg: ChatTemplate, tokenizer) -> bool:
+    """Whether prompts go through a chat template ('auto' = if there is one)."""
+    if cfg.use == "auto":
+        return bool(cfg.template or getattr(tokenizer, "chat_template", None))
+    return cfg.use == "on"
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -59,7 +75,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def format_prompt(prompt: Any, messages: Any, cfg: PromptConfig, tokenizer) -> tuple[str, bool]:
+def format_prompt(prompt: Any, messages: Any, cfg: ChatTemplate, tokenizer) -> tuple[str, bool]:
     """Prompt text and whether the tokenizer should add its special tokens (raw text only)."""
     for value in (prompt, messages):
         if isinstance(value, InvalidText):
@@ -80,9 +96,9 @@ def format_prompt(prompt: Any, messages: Any, cfg: PromptConfig, tokenizer) -> t
         msgs = [{"role": "user", "content": prompt}]
     else:
         raise RowError("row has neither a prompt nor messages")
-    kwargs = {} if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking}
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(msgs, chat_template=cfg.template, tokenize=False,
+                                             add_generation_prompt=True, **dict(cfg.kwargs))
     except Exception as e:  # jinja errors (e.g. a template rejecting a role) are row problems
         raise RowError(f"chat template failed: {type(e).__name__}: {e}") from None
     _check_text(text, "prompt (after the chat template)")

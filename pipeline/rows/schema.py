@@ -28,6 +28,7 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("accept_length_histogram", pa.list_(pa.int64())),
     pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion
     pa.field("token_logprobs", pa.list_(pa.float32())),            # null unless the row asked for logprobs
+    pa.field("generated_token_ids", pa.list_(pa.int32())),         # null unless the row asked for logprobs
     pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),     # null unless logprobs > 0
     pa.field("cumulative_logprob", pa.float64()),                  # sum of token_logprobs
     pa.field("time_waiting_s", pa.float64()),        # in the engine's queue, waiting for a slot
@@ -39,6 +40,21 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("model", pa.string()),
 )
 OUTPUT_NAMES: tuple[str, ...] = tuple(f.name for f in OUTPUT_FIELDS)
+
+# The processor's output columns (``pipeline/processor``, Ray Data LLM's names first). The job's
+# output holds the same values, three of them under its own names (JOB_NAMES: job -> processor).
+GENERATED_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("generated_text", pa.string()),
+    pa.field("generated_tokens", pa.list_(pa.int32())),   # a final stop token included
+    pa.field("num_input_tokens", pa.int64()),
+    pa.field("num_generated_tokens", pa.int64()),
+    *(f for f in OUTPUT_FIELDS if f.name not in ("id", "sample_index", "completion", "num_prompt_tokens",
+                                                 "num_completion_tokens", "generated_token_ids")),
+)
+JOB_NAMES = {"completion": "generated_text", "num_prompt_tokens": "num_input_tokens",
+             "num_completion_tokens": "num_generated_tokens"}
+# Columns the processor reads (any other column passes through it).
+PROCESSOR_INPUTS = ("prompt", "messages", "tokenized_prompt", "sampling_params")
 KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
 
 # Per-row input columns that override the sampling defaults (consumed, never passed through).
@@ -50,11 +66,6 @@ FILE = "__file"                        # read -> driver: index of the row's inpu
 ROW = "__row"                          # read -> driver: the row's index in that file
 SAMPLES = "__samples"                  # read -> preprocess: the row's pending sample indices
 DERIVED_ID = "__derived_id"            # read -> preprocess: '<file name>:<row index>' (no id column)
-PROMPT_IDS = "__prompt_token_ids"      # preprocess -> generate
-TEMPERATURE = "__temperature"
-TOP_P = "__top_p"
-TOP_K = "__top_k"
-MAX_NEW_TOKENS = "__max_new_tokens"
 TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
 STOP_TEXT = "__stop_text"              # engine -> detokenize (completion cut before a stop string)
 BATCH = "__batch"                      # generate -> driver: one BatchRecord per batch, on its first row
@@ -69,6 +80,7 @@ BATCH_RECORD = pa.struct([
 ])
 
 FINISH_REASONS = ("stop", "length", "error")
+GENERATED_TYPES = {**{f.name: f.type for f in GENERATED_FIELDS}, TEXT_IDS: pa.list_(pa.int32()), STOP_TEXT: pa.string()}
 
 
 def output_schema(passthrough: pa.Schema | list[pa.Field]) -> pa.Schema:
@@ -76,11 +88,19 @@ def output_schema(passthrough: pa.Schema | list[pa.Field]) -> pa.Schema:
     return pa.schema(list(OUTPUT_FIELDS) + list(passthrough))
 
 
+def _output_column(batch: pa.Table, field: pa.Field) -> pa.ChunkedArray | pa.Array:
+    if field.name == "generated_token_ids":     # kept only where logprobs name the tokens (exports)
+        if "token_logprobs" not in batch.column_names:
+            return pa.nulls(batch.num_rows, field.type)
+        return pc.if_else(pc.is_valid(batch["token_logprobs"]), batch["generated_tokens"],
+                          pa.scalar(None, batch["generated_tokens"].type))
+    name = JOB_NAMES.get(field.name, field.name)
+    return batch[name] if name in batch.column_names else pa.nulls(batch.num_rows, field.type)
+
+
 def to_output_table(batch: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Select and cast a batch to the output schema (drops internal columns)."""
-    cols = {f.name: batch[f.name] if f.name in batch.column_names else pa.nulls(batch.num_rows, f.type)
-            for f in schema}
-    return pa.table(cols).cast(schema)
+    """Select, rename and cast a processor batch to the job's output schema (drops internal columns)."""
+    return pa.table({f.name: _output_column(batch, f) for f in schema}).cast(schema)
 
 
 def key_strings(ids: pa.Array | pa.ChunkedArray, sample_index: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -1,6 +1,7 @@
 """One generation job: preflight (no Ray, no model), then run on a connected Ray and summarise."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,8 @@ from pipeline.config import ConfigError, JobConfig
 from pipeline.run.dataset import build_dataset
 from pipeline.run.fingerprint import check_unchanged, fingerprint
 from pipeline.rows.inputs import InputPlan, inspect_inputs
+from pipeline.rows.staging import JsonSources, input_format, sniff_sources, stage
+from pipeline.output.export import check_openai_batch_n, export
 from pipeline.storage.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
 from pipeline.storage.lease import Lease, take_lease as _take_lease
 from pipeline.storage.model_cache import check_remote_weight_headers
@@ -21,8 +24,8 @@ from pipeline.run.commit import CommitLoop, run_loop
 from pipeline.rows.checks import check_ids, verify_inputs
 from pipeline.rows.source import row_group_tasks
 from pipeline.report.progress import Progress
-from pipeline.rows.prompts import uses_chat_template
-from pipeline.output.directory import RETRIED_DIR
+from pipeline.rows.prompts import ChatTemplate, uses_chat_template
+from pipeline.output.directory import RETRIED_DIR, SUMMARY_JSON
 from pipeline.run.resources import check_engine_placement, resolve_placement
 from pipeline.rows.schema import output_schema
 from pipeline.storage.uris import is_remote, local_path, locate
@@ -36,8 +39,10 @@ class Prepared:
     """A config whose inputs, model files and output directory passed preflight."""
 
     config: JobConfig
-    inputs: InputPlan
+    inputs: InputPlan | None          # None for JSONL inputs until ``run`` stages them
     out: OutputDir
+    sources: JsonSources | None = None    # JSONL / OpenAI-batch inputs (sniffed, not yet staged)
+    output_format: str = "parquet"    # what ``data/`` is also rendered as when the run completes
 
 
 def open_output(config: JobConfig) -> OutputDir:
@@ -50,7 +55,7 @@ def take_lease(out: OutputDir) -> Lease:
     return _take_lease(out.where, out.run_id)
 
 
-def _check_model(config: JobConfig, inputs: InputPlan) -> None:
+def _check_model(config: JobConfig, inputs: InputPlan | None) -> None:
     model_dir = resolve_model_dir(config.model, config.storage, weights=False)
     if not (Path(model_dir) / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} has no config.json (not an HF-layout checkpoint)")
@@ -61,7 +66,8 @@ def _check_model(config: JobConfig, inputs: InputPlan) -> None:
     tokenizer = load_tokenizer(model_dir)
     if config.prompt.chat_template == "on" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"prompt.chat_template is 'on' but the tokenizer in {model_dir} has no chat template")
-    if not uses_chat_template(config.prompt, tokenizer) and inputs.prompt_column is None:
+    if inputs is not None and not uses_chat_template(ChatTemplate.of(config.prompt), tokenizer) \
+            and inputs.prompt_column is None:
         raise ConfigError(f"prompt.chat_template is off, so rows need the prompt column "
                           f"{config.input.prompt_column!r} (input.prompt_column), which no input file has")
 
@@ -69,18 +75,24 @@ def _check_model(config: JobConfig, inputs: InputPlan) -> None:
 def preflight(config: JobConfig) -> Prepared:
     """Check inputs, model files and output dir; raise :class:`ConfigError` naming the problem.
 
-    Reads Parquet footers and the tokenizer only (time and memory bounded by files): no Ray, no
-    rows, no model weights.
+    Reads Parquet footers (or the first line of each JSONL file) and the tokenizer only (time and
+    memory bounded by files): no Ray, no rows, no model weights.
     """
     out = open_output(config)                 # a bad output URI fails first, before inputs are read
-    inputs = inspect_inputs(config.input, config.storage)
+    fmt = input_format(config.input, config.storage)
+    inputs = inspect_inputs(config.input, config.storage) if fmt == "parquet" else None
+    sources = sniff_sources(config.input, config.storage, fmt) if inputs is None else None
+    output_format = config.output.format or fmt
+    if output_format == "openai_batch":
+        check_openai_batch_n(config.sampling.n)
     _check_model(config, inputs)
-    out.check(config.behaviour, inputs.roots, inputs.files, config.model.path, inputs.scheme)
+    found = inputs or sources
+    out.check(config.behaviour, found.roots, found.files, config.model.path, found.scheme)
     if config.behaviour.resume and out.marker_exists:
         recorded = out.recorded()
         check_unchanged(recorded.get("fingerprint"), recorded.get("model"), fingerprint(config),
                         config.behaviour.allow_config_change, out.root)
-    return Prepared(config, inputs, out)
+    return Prepared(config, inputs, out, sources, output_format)
 
 
 def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement) -> dict:
@@ -142,6 +154,28 @@ def _halt(dataset) -> None:
         print(f"[orthrus] could not stop the dataset's executor: {type(e).__name__}: {e}", flush=True)
 
 
+def _staged(config: JobConfig, sources: JsonSources, out: OutputDir, echo: Callable[[str], None]) -> InputPlan:
+    """JSONL inputs converted to Parquet under ``<output>/_staged/`` by Ray tasks (one per file;
+    reused when unchanged), then checked like Parquet inputs."""
+    t0 = time.time()
+    inputs = inspect_inputs(stage(sources, config.input, out), config.storage)
+    _check_model(config, inputs)
+    echo(f"[orthrus] {len(sources.files)} {sources.format} file(s) staged as Parquet in {time.time() - t0:.1f} s")
+    return inputs
+
+
+def _export(prepared: Prepared, summary: dict, echo: Callable[[str], None]) -> None:
+    """Render a complete ``data/`` as JSONL / OpenAI-batch files (one Ray task), noted in summary.json."""
+    if prepared.output_format == "parquet" or not summary["run"]["complete"]:
+        return
+    config, out = prepared.config, prepared.out
+    summary["exports"] = export(out, prepared.output_format, config.model, config.storage)
+    out.write_atomic(SUMMARY_JSON, json.dumps(summary, indent=2).encode())
+    made = summary["exports"]
+    echo(f"[orthrus] {prepared.output_format}: {made['results_lines']} line(s) in {made['results']}"
+         + (f", {made['error_lines']} in {made['errors']}" if made["errors"] else ""))
+
+
 def _pending(config: JobConfig, inputs: InputPlan, out: OutputDir) -> tuple[dict, int]:
     """What is left, from the part footers → (files with samples left, each with its finished
     ranges; rows already committed)."""
@@ -158,12 +192,13 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     import ray
 
     start = time.time()
-    config, inputs, out = prepared.config, prepared.inputs, prepared.out
+    config, out = prepared.config, prepared.out
     placement = resolve_placement(config.resources, ray.cluster_resources())
     check_engine_placement(config.engine, placement)
     out.prepare(config.behaviour, {"model": config.model.path, "fingerprint": fingerprint(config),
                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     _repairs(config, out, echo)
+    inputs = prepared.inputs or _staged(config, prepared.sources, out, echo)
     pending, finished = _pending(config, inputs, out)
     echo(f"[orthrus] {inputs.num_rows} input rows x {config.sampling.n} samples in {len(inputs.files)} file(s); "
          f"{finished} already done ({len(inputs.files) - len(pending)} file(s) finished); {placement.replicas} "
@@ -198,6 +233,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
                 "parts_committed": out.committed, **_throughput(tracker, start, wall, placement)}
     summary = summarize(out, run_info, config.model_dump(mode="json"))
     echo(render_table(summary, str(out.root)))
+    _export(prepared, summary, echo)
     if summary["rows"]["duplicate_keys"]:  # impossible with the lease; loud if it was bypassed
         raise OutputWriteError(f"{out.root}: {summary['rows']['duplicate_keys']} duplicate (id, sample_index) rows; "
                                "was another job writing to the same output dir? Repair with --dedupe")

@@ -1,0 +1,1 @@
+"""The Ray Data processor: ``build_orthrus_processor`` and its config."""

@@ -1,0 +1,190 @@
+"""The processor's CPU stage: rows -> one request struct each (chat template, tokenization, sampling).
+
+Rows in: ``messages`` (list of {role, content}, or that as a JSON string) or ``prompt`` (text), or
+with ``tokenize=False`` ``tokenized_prompt`` (token ids); an optional ``sampling_params`` struct or
+map with vLLM's names (:data:`SAMPLING_KEYS`); an optional ``error`` already set upstream (such a
+row is not generated and keeps its error). Rows out: the same rows with ``__request``
+(``pipeline/rows/request.py``), ``num_input_tokens``, ``seed`` and ``error``. Runs as Ray Data
+tasks over Arrow batches; nothing one row holds can fail the batch: undecodable bytes, text the
+tokenizer or the template rejects and bad sampling values all end as that row's error.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from orthrus import SamplingParams
+from pipeline.config import ModelConfig, StorageConfig
+from pipeline.rows.errors import ERROR, row_error
+from pipeline.rows.schema import PROCESSOR_INPUTS
+from pipeline.rows.prompts import ChatTemplate, InvalidText, RowError, format_prompt
+from pipeline.rows.request import REQUEST, to_arrow
+from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "logprobs")
+# Missing keys take the engine's defaults (SamplingParams): greedy, 64 new tokens, a random seed.
+PREPARED = ("num_input_tokens", "seed", ERROR, REQUEST)
+
+
+@dataclass(frozen=True)
+class PreparePlan:
+    """What the prepare tasks need (shipped once per operator by Ray Data)."""
+
+    model: ModelConfig
+    storage: StorageConfig
+    template: ChatTemplate
+    tokenize: bool = True
+    keep_inputs: bool = True   # False (the job): drop prompt/messages/sampling_params once they are a request
+
+
+def _as_int(name: str, value: Any) -> int:
+    """Parquet and JSON may carry integers as floats; accept 40.0, reject 0.5 and anything outside int64."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RowError(f"sampling_params.{name} must be an integer, got {value!r}"[:300])
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise RowError(f"sampling_params.{name} must be an integer, got {value!r}")
+    out = int(value)
+    if not -2 ** 63 <= out < 2 ** 63:
+        raise RowError(f"sampling_params.{name} holds {value!r}, outside the 64-bit integer range")
+    return out
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, list):          # an Arrow map column reads back as [(key, value), ...]
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise RowError(f"sampling_params must be a struct or map, got {type(value).__name__}")
+    unknown = [k for k, v in value.items() if v is not None and k not in SAMPLING_KEYS]
+    if unknown:
+        raise RowError(f"sampling_params.{unknown[0]} is not supported (supported: {', '.join(SAMPLING_KEYS)})")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def sampling_params_of(value: Any) -> SamplingParams:
+    """A row's ``sampling_params`` (vLLM names) as engine SamplingParams; :class:`RowError` if invalid."""
+    d = _as_dict(value)
+    kw: dict[str, Any] = {}
+    for name, key in (("temperature", "temperature"), ("top_p", "top_p")):
+        if key in d:
+            if isinstance(d[key], bool) or not isinstance(d[key], (int, float)):
+                raise RowError(f"sampling_params.{key} must be a number, got {d[key]!r}"[:300])
+            kw[name] = float(d[key])
+    for name, key in (("top_k", "top_k"), ("max_new_tokens", "max_tokens"), ("seed", "seed"),
+                      ("logprobs", "logprobs")):
+        if key in d:
+            kw[name] = _as_int(key, d[key])
+    if kw.get("top_k") == -1:            # vLLM's "off"
+        kw["top_k"] = 0
+    stop = d.get("stop", ())
+    kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    kw["stop_token_ids"] = tuple(_as_int("stop_token_ids", t) for t in d.get("stop_token_ids", ()))
+    kw.setdefault("seed", secrets.randbits(63))   # unseeded: random, like vLLM; reported in the seed column
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise RowError(f"sampling_params: {e}"[:500]) from None
+
+
+def values(batch: pa.Table, name: str) -> list:
+    """A column as Python values; all None when the batch lacks it.
+
+    Parquet readers do not validate UTF-8, so one corrupt cell would make ``to_pylist`` fail the
+    whole batch; such cells become :class:`InvalidText` (their row's error) instead.
+    """
+    if name not in batch.column_names:
+        return [None] * batch.num_rows
+    col = batch[name]
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        out = []
+        for i in range(len(col)):
+            try:
+                out.append(col[i].as_py())
+            except UnicodeDecodeError as e:
+                out.append(InvalidText(name, f"byte {e.start}: {e.reason}"))
+        return out
+
+
+def _encode(tokenizer, texts: list[str], add_special: bool) -> list[list[int] | str]:
+    """Token ids per text; if the batch call fails, per text, so only the offending row errs."""
+    try:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special)["input_ids"]]
+    except Exception:  # noqa: BLE001 - narrowed to rows below
+        pass
+    out: list[list[int] | str] = []
+    for text in texts:
+        try:
+            out.append(list(tokenizer(text, add_special_tokens=add_special)["input_ids"]))
+        except Exception as e:  # noqa: BLE001 - this row's text is the problem
+            out.append(row_error("tokenization failed", e))
+    return out
+
+
+def _pretokenized(value: Any) -> list[int]:
+    if isinstance(value, InvalidText) or not isinstance(value, list) or not value:
+        raise RowError("tokenized_prompt must be a non-empty list of token ids (tokenize=False)")
+    return [_as_int("tokenized_prompt", t) for t in value]
+
+
+def _tokens(batch: pa.Table, todo: list[int], plan: PreparePlan, tokenizer) -> dict[int, list[int] | str]:
+    """Prompt token ids of the rows ``todo``, or each row's error message."""
+    out: dict[int, list[int] | str] = {}
+    if not plan.tokenize:
+        ids = values(batch, "tokenized_prompt")
+        for i in todo:
+            try:
+                out[i] = _pretokenized(ids[i])
+            except RowError as e:
+                out[i] = str(e)
+        return out
+    prompts, messages = values(batch, "prompt"), values(batch, "messages")
+    texts: dict[int, str] = {}
+    add_special = True
+    for i in todo:
+        try:
+            texts[i], add_special = format_prompt(prompts[i], messages[i], plan.template, tokenizer)
+        except RowError as e:
+            out[i] = str(e)
+        except Exception as e:  # noqa: BLE001 - nothing one row holds may fail the batch (or loop on retry)
+            out[i] = row_error("formatting the prompt failed (columns 'prompt', 'messages')", e)
+    if texts:
+        for i, ids in zip(texts, _encode(tokenizer, list(texts.values()), add_special)):
+            out[i] = ids if ids else "prompt is empty after tokenization"
+    return out
+
+
+def prepare_batch(batch: pa.Table, plan: PreparePlan) -> pa.Table:
+    """Rows -> the same rows with ``__request``, ``num_input_tokens``, ``seed`` and ``error``."""
+    errors: list[str | None] = values(batch, ERROR)
+    params: list[SamplingParams | None] = [None] * batch.num_rows
+    for i, value in enumerate(values(batch, "sampling_params")):
+        if errors[i] is not None:
+            continue
+        try:
+            params[i] = sampling_params_of(value)
+        except RowError as e:
+            errors[i] = errors[i] or str(e)
+    todo = [i for i in range(batch.num_rows) if errors[i] is None]
+    tokenizer = load_tokenizer(resolve_model_dir(plan.model, plan.storage, weights=False))
+    tokens = _tokens(batch, todo, plan, tokenizer)
+    requests: list[tuple[list[int], SamplingParams] | None] = [None] * batch.num_rows
+    for i in todo:
+        if isinstance(tokens[i], str):
+            errors[i] = tokens[i]
+        else:
+            requests[i] = (tokens[i], params[i])
+    cols = {"num_input_tokens": pa.array([len(r[0]) if r else None for r in requests], pa.int64()),
+            "seed": pa.array([p.seed if p else None for p in params], pa.int64()),
+            ERROR: pa.array(errors, pa.string()), REQUEST: to_arrow(requests)}
+    drop = PREPARED if plan.keep_inputs else PREPARED + PROCESSOR_INPUTS
+    table = batch.drop_columns([c for c in drop if c in batch.column_names])
+    for name, column in cols.items():
+        table = table.append_column(name, column)
+    return table

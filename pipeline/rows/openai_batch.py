@@ -1,0 +1,166 @@
+"""OpenAI Batch API request lines as rows of one fixed schema.
+
+Each line is ``{"custom_id", "method": "POST", "url", "body": {...}}``. ``url`` says what ``body``
+is: ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``). The
+row's id is ``custom_id``; body's sampling fields become the per-row override columns
+(``schema.OVERRIDE_COLUMNS``) under this job's names; keys this job has no use for (``model``,
+``user``, ``metadata`` ...) are ignored, as a server that does not implement them would. A line
+that breaks a rule becomes an error row (id and ``INPUT_ERROR`` only) naming its line; the
+preprocessing turns that into the row's error.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from pipeline.rows.inputs import INPUT_ERROR
+from pipeline.rows.json_lines import Tally, kind, parsed_chunks
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+URL_COLUMN = "openai_url"       # passed through, so the output can be rendered back per endpoint
+SCHEMA = pa.schema([
+    pa.field("id", pa.string()), pa.field("messages", pa.string()), pa.field("prompt", pa.string()),
+    pa.field(URL_COLUMN, pa.string()), pa.field("max_new_tokens", pa.int64()),
+    pa.field("temperature", pa.float64()), pa.field("top_p", pa.float64()), pa.field("top_k", pa.int64()),
+    pa.field("seed", pa.int64()), pa.field("stop", pa.list_(pa.string())), pa.field("logprobs", pa.int64()),
+    pa.field(INPUT_ERROR, pa.string()),
+])
+_PART_SEPARATOR = "\n"          # text parts of one message joined as vLLM's OpenAI server joins them
+
+
+class _Bad(ValueError):
+    """What is wrong with one request line."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(body: dict, key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _Bad(f"body.{key} must be an integer, got {_show(value)}")
+    return value
+
+
+def _number(body: dict, key: str) -> float | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise _Bad(f"body.{key} must be a number, got {_show(value)}")
+    return None if value is None else float(value)
+
+
+def _stop(value: Any) -> list[str] | None:
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise _Bad(f"body.stop must be a string or a list of strings, got {_show(value)}")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs: true`` + ``top_logprobs: k`` as this job's one ``logprobs`` count."""
+    wanted = body.get("logprobs")
+    if wanted is None or wanted is False:
+        return None            # top_logprobs alone asks for nothing (OpenAI refuses it)
+    if wanted is not True:
+        raise _Bad(f"body.logprobs must be true or false for {CHAT}, got {_show(wanted)}")
+    top = _int(body, "top_logprobs")
+    return 0 if top is None else top
+
+
+def _sampling(body: dict, chat: bool) -> dict[str, Any]:
+    """Body's sampling fields under the job's override column names (null: the config's default)."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _Bad("n > 1 per request is not supported; set sampling.n" if isinstance(n, int) and n > 1
+                   else f"body.n must be 1, got {_show(n)}")
+    tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    top_k = _int(body, "top_k")
+    return {"max_new_tokens": _int(body, tokens), "temperature": _number(body, "temperature"),
+            "top_p": _number(body, "top_p"),
+            "top_k": 0 if top_k == -1 else top_k,      # vLLM's extension: -1 (like 0) means off
+            "seed": _int(body, "seed"), "stop": _stop(body.get("stop")),
+            "logprobs": _chat_logprobs(body) if chat else _int(body, "logprobs")}
+
+
+def _text(content: list, index: int) -> str:
+    """OpenAI content parts ``[{"type": "text", "text": ...}, ...]`` as one string."""
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            what = part.get("type") if isinstance(part, dict) else kind(part)
+            raise _Bad(f"body.messages[{index}].content[{j}] is a {what!r} part; only text parts are supported")
+        texts.append(part["text"])
+    return _PART_SEPARATOR.join(texts)
+
+
+def _messages(value: Any) -> str:
+    """``body.messages`` as the JSON text of a list of messages with string content."""
+    if not isinstance(value, list) or not value:
+        raise _Bad(f"body.messages must be a non-empty list of messages, got {_show(value)}")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise _Bad(f"body.messages[{i}] must be an object, got {kind(message)}")
+        content = message.get("content")
+        out.append({**message, "content": _text(content, i)} if isinstance(content, list) else message)
+    return json.dumps(out, ensure_ascii=False)
+
+
+def _request(obj: dict) -> dict[str, Any]:
+    """A well-formed request's columns (all but id); raises :class:`_Bad` naming the first problem."""
+    if obj.get("method") != "POST":
+        raise _Bad(f"method must be 'POST', got {_show(obj.get('method'))}")
+    url, body = obj.get("url"), obj.get("body")
+    if url not in (CHAT, COMPLETIONS):
+        raise _Bad(f"url must be {CHAT!r} or {COMPLETIONS!r}, got {_show(url)}")
+    if not isinstance(body, dict):
+        raise _Bad(f"body must be an object, not {kind(body)}")
+    row = {URL_COLUMN: url, **_sampling(body, chat=url == CHAT)}
+    if url == CHAT:
+        row["messages"] = _messages(body.get("messages"))
+    elif isinstance(body.get("prompt"), str):
+        row["prompt"] = body["prompt"]
+    else:
+        raise _Bad(f"body.prompt must be a string (a list of prompts or token ids is not supported), "
+                   f"got {_show(body.get('prompt'))}")
+    return row
+
+
+def request_row(obj: dict | None, error: str | None, number: int, name: str) -> tuple[dict[str, Any], bool]:
+    """One parsed line → (its row, whether its id is made up as '<file name>:<line>')."""
+    custom_id = None if obj is None else obj.get("custom_id")
+    good_id = isinstance(custom_id, str) and custom_id != ""
+    row_id = custom_id if good_id else f"{name}:{number}"
+    if obj is None:
+        return {"id": row_id, INPUT_ERROR: error}, True
+    try:
+        if not good_id:
+            raise _Bad("custom_id must be a non-empty string" if "custom_id" in obj else "no custom_id")
+        return {"id": row_id, **_request(obj)}, False
+    except _Bad as e:
+        return {"id": row_id, INPUT_ERROR: f"line {number} of {name}: {e}"}, not good_id
+
+
+def openai_tables(path: str, fs: pafs.FileSystem | None, tally: Tally) -> tuple[pa.Schema, Iterator[pa.Table]]:
+    """An OpenAI batch file as (:data:`SCHEMA`, its tables of up to ``json_lines.ROW_GROUP`` rows)."""
+    name = posixpath.basename(path)
+
+    def tables() -> Iterator[pa.Table]:
+        """Lazily, so the caller writes each chunk before the next is read."""
+        for chunk in parsed_chunks(path, fs, name):
+            rows = []
+            for number, obj, error in chunk:
+                row, synthetic = request_row(obj, error, number, name)
+                tally.synthetic |= synthetic
+                rows.append(row)
+            tally.rows += len(rows)
+            yield pa.Table.from_pylist(rows, schema=SCHEMA)
+
+    return SCHEMA, tables()
