@@ -120,7 +120,7 @@ def _samples(batch: pa.Table, rows: np.ndarray, samples: np.ndarray, ids: list[s
     params: list[SamplingParams | None] = []
     errors: list[str | None] = []
     for r, s in zip(rows.tolist(), samples.tolist()):
-        p, error = None, line_errors[r]
+        p, error = None, (row_error(line_errors[r]) if line_errors[r] is not None else None)
         if error is None:
             try:
                 p = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling)
