@@ -361,3 +361,20 @@ def test_jsonl_on_an_object_store_stages_into_the_output_prefix_and_is_reused(tm
             f.write(_lines([{"id": "b", "prompt": "changed"}]))
         stage(sources, cfg, out)
         assert [c[2] for c in calls] == ["bkt/in/sub/b.jsonl"]
+
+
+def test_the_job_refuses_a_file_that_is_not_its_declared_format_before_any_model_loads(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from jobs.generate import main
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"custom_id": ["a"]}), tmp_path / "in" / "requests.jsonl")   # Parquet named .jsonl
+    cfg = {"input": {"paths": [str(tmp_path / "in")], "format": "openai_batch"},
+           "output": {"path": str(tmp_path / "out")}, "model": {"path": "models/tiny-orthrus-py"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "requests.jsonl" in err and "Parquet" in err and not (tmp_path / "out").exists()

@@ -41,15 +41,16 @@ class PreparePlan:
     keep_inputs: bool = True   # False (the job): drop prompt/messages/sampling_params once they are a request
 
 
-def _as_int(name: str, value: Any) -> int:
-    """Parquet and JSON may carry integers as floats; accept 40.0, reject 0.5 and anything outside int64."""
+def as_int(what: str, value: Any) -> int:
+    """``value`` as an int64, else :class:`RowError` naming ``what``. Parquet and JSON may carry
+    integers as floats: 40.0 is accepted; 0.5, text and anything outside int64 are not."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RowError(f"sampling_params.{name} must be an integer, got {value!r}"[:300])
+        raise RowError(f"{what} must be an integer, got {value!r}"[:300])
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise RowError(f"sampling_params.{name} must be an integer, got {value!r}")
+        raise RowError(f"{what} must be an integer, got {value!r}")
     out = int(value)
     if not -2 ** 63 <= out < 2 ** 63:
-        raise RowError(f"sampling_params.{name} holds {value!r}, outside the 64-bit integer range")
+        raise RowError(f"{what} holds {value!r}, outside the 64-bit integer range")
     return out
 
 
@@ -78,12 +79,12 @@ def sampling_params_of(value: Any) -> SamplingParams:
     for name, key in (("top_k", "top_k"), ("max_new_tokens", "max_tokens"), ("seed", "seed"),
                       ("logprobs", "logprobs")):
         if key in d:
-            kw[name] = _as_int(key, d[key])
+            kw[name] = as_int(f"sampling_params.{key}", d[key])
     if kw.get("top_k") == -1:            # vLLM's "off"
         kw["top_k"] = 0
     stop = d.get("stop", ())
     kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-    kw["stop_token_ids"] = tuple(_as_int("stop_token_ids", t) for t in d.get("stop_token_ids", ()))
+    kw["stop_token_ids"] = tuple(as_int("sampling_params.stop_token_ids", t) for t in d.get("stop_token_ids", ()))
     kw.setdefault("seed", secrets.randbits(63))   # unseeded: random, like vLLM; reported in the seed column
     try:
         return SamplingParams(**kw)
@@ -130,7 +131,7 @@ def _encode(tokenizer, texts: list[str], add_special: bool) -> list[list[int] | 
 def _pretokenized(value: Any) -> list[int]:
     if isinstance(value, InvalidText) or not isinstance(value, list) or not value:
         raise RowError("tokenized_prompt must be a non-empty list of token ids (tokenize=False)")
-    return [_as_int("tokenized_prompt", t) for t in value]
+    return [as_int("tokenized_prompt", t) for t in value]
 
 
 def _tokens(batch: pa.Table, todo: list[int], plan: PreparePlan, tokenizer) -> dict[int, list[int] | str]:

@@ -11,7 +11,6 @@ from files whose schemas differ concatenate.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import pyarrow.compute as pc
 
 from orthrus import SamplingParams
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
-from pipeline.processor.prepare import PreparePlan, prepare_batch, values
+from pipeline.processor.prepare import PreparePlan, as_int, prepare_batch, values
 from pipeline.rows import schema as S
 from pipeline.rows.column_types import convert
 from pipeline.rows.errors import ERROR, row_error
@@ -54,17 +53,6 @@ def derive_seed(base: int, row_id: str, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _as_int(name: str, value: Any) -> int:
-    """Parquet may store integer overrides as floats; accept 40.0, reject 0.5 and anything outside
-    int64 (a uint64 or float column can hold such values; the job's columns are int64)."""
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise RowError(f"column {name!r} must be an integer, got {value!r}")
-    out = int(value)
-    if not -2 ** 63 <= out < 2 ** 63:
-        raise RowError(f"column {name!r} holds {value!r}, outside the 64-bit integer range")
-    return out
-
-
 def _stop(value: Any, default: list[str]) -> tuple[str, ...]:
     if value is None:
         return tuple(default)
@@ -81,18 +69,18 @@ def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: Sampl
     if row_seed is None:
         seed = derive_seed(cfg.seed, row_id, sample_index)
     else:  # checked before adding the index, so all of a row's samples fail or none does
-        seed = _as_int("seed", row_seed)
+        seed = as_int("column 'seed'", row_seed)
         if not 0 <= seed < 2 ** 63:
             raise RowError(f"column 'seed' must be an int in [0, 2**63), got {seed}")
         seed = (seed + sample_index) % 2 ** 63
     logprobs = pick("logprobs")
     try:
         return SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
-                              top_k=_as_int("top_k", pick("top_k")),
-                              max_new_tokens=_as_int("max_new_tokens", pick("max_new_tokens")),
+                              top_k=as_int("column 'top_k'", pick("top_k")),
+                              max_new_tokens=as_int("column 'max_new_tokens'", pick("max_new_tokens")),
                               seed=seed, stop_token_ids=tuple(cfg.stop_token_ids),
                               stop=_stop(row.get("stop"), cfg.stop),
-                              logprobs=None if logprobs is None else _as_int("logprobs", logprobs))
+                              logprobs=None if logprobs is None else as_int("column 'logprobs'", logprobs))
     except RowError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a cell holds, it is that row's error
