@@ -31,4 +31,21 @@ def test_one_host_read_per_iteration(speculative, static, temperature):
     with count_host_reads() as reads:
         engine.generate(PROMPTS, params, speculative=speculative)
     assert engine.iterations > 5
-    assert dict(reads) == {"cpu": engine.iterations}
+    # One read per iteration; one host→device copy per iteration (its slot indices) and one per
+    # admitting step (every admitted request's prompt and settings), none from pageable memory.
+    assert dict(reads) == {"cpu": engine.iterations, "h2d_async": engine.iterations + engine.admitting_steps}
+
+
+def test_an_admitting_step_makes_one_host_to_device_copy():
+    engine = OrthrusEngine(tiny_model(seed=2, diff_noise=0.3), max_batch_size=4, static_shapes=False)
+    engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=12, stop_token_ids=(1, 2, 3)))
+    engine.step()
+    for i, prompt in enumerate(PROMPTS[1:3]):          # admitted mid-flight, one per step
+        engine.add_request(prompt, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=i))
+        with count_host_reads() as reads:
+            engine.step()
+        assert dict(reads) == {"cpu": 1, "h2d_async": 2}     # the iteration's indices + the admission
+    with count_host_reads() as reads:
+        engine.step()
+    assert dict(reads) == {"cpu": 1, "h2d_async": 1}
+    assert engine.admitting_steps == 3

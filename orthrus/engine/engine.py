@@ -30,6 +30,7 @@ from orthrus.params import RowStats, SamplingParams
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.engine.proposer import DiffusionProposer, Proposer
 from orthrus.engine.requests import FinishReason, Request, RequestOutput
+from orthrus.engine.staging import HostStaging
 from orthrus.engine.stop_strings import StopHit, StopStringScanner
 
 
@@ -93,6 +94,8 @@ class OrthrusEngine:
         self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device, cfg.hidden_size,
                                       param.dtype)
         self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
+        # Host→device transfers: one copy per admitting step, one per iteration (staging.py).
+        self.admission_staging, self.index_staging = HostStaging(self.device), HostStaging(self.device)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
         self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
@@ -101,6 +104,7 @@ class OrthrusEngine:
         self._mode: bool | str = speculative            # the mode of the steps now running
         self.iterations = 0          # decode iterations (cycles or AR steps over the batch) run so far
         self.prefill_tokens = 0      # prompt tokens computed by prefills (a shared prompt counts once)
+        self.admitting_steps = 0     # steps that seated waiting requests (one host→device copy each)
         self._added = 0              # requests added so far (each one's row index for the proposer)
         self.busy_slot_iterations = 0   # sum over iterations of occupied slots (occupancy = this / iterations / B)
 
@@ -258,8 +262,12 @@ class OrthrusEngine:
         slots, self._abort_slots = self._abort_slots, []
         if not slots:
             return []
-        self.state.alive[torch.as_tensor(slots, device=self.device)] = False
+        self.state.alive[self._indices(slots)] = False
         return [self._output(slot, FinishReason.ABORT, None) for slot in slots]
+
+    def _indices(self, slots) -> torch.Tensor:
+        """Slot indices on the device, through the loop's staging buffer (one non-blocking copy)."""
+        return self.index_staging.stage({"slots": np.asarray(slots, dtype=np.int64)})["slots"]
 
     def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
         """Free ``slot`` and build its request's output."""
@@ -296,7 +304,7 @@ class OrthrusEngine:
         hits = self._scan_stops(slots)
         cut = [s for s in hits if s not in ended]
         if cut:   # rows whose stop string ended them while the device still thinks they run
-            self.state.alive[torch.as_tensor(cut, device=self.device)] = False
+            self.state.alive[self._indices(cut)] = False
         return [self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
                 for s in sorted(set(ended) | set(hits))]
 
@@ -331,7 +339,7 @@ class OrthrusEngine:
         """A cycle with block size ``k`` (or an AR step, k = 0) over the occupied ``slots`` → their
         packed results (with logprobs of top-k width ``lp`` unless None), on the host."""
         if not self.static_shapes:
-            packed = self._device_iteration(st, torch.as_tensor(slots, device=self.device),
+            packed = self._device_iteration(st, self._indices(slots),
                                             len(slots) == self.max_batch_size, kv_len, k, filtered, all_greedy, lp)
             return packed.cpu().numpy()  # SYNC: the one device→host read per iteration
         padded, where = pad_slots(slots, self.max_batch_size)
@@ -352,11 +360,13 @@ class OrthrusEngine:
 
     def _prefill(self, slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int]) -> None:
         """Load admitted requests into their slots and prefill them (a prompt computed at most once)."""
-        batch, computed = scheduler.prefill_batch(slots, reqs, donors, self.device)
-        scheduler.load_slots(self.state, batch.slots, reqs, self.eos_token_ids)
+        batch, params, computed = scheduler.admission(slots, reqs, donors, self.eos_token_ids,
+                                                      self.state.stop_ids.shape[1], self.admission_staging)
+        scheduler.load_slots(self.state, batch.slots, params)
         decode.prefill(self.model, self.cache, self.state, batch, *self.table.flags(slots), self.max_seq_len,
                        self.table.logprobs.width(slots))
         self.prefill_tokens += computed
+        self.admitting_steps += 1
 
 
 class EngineStepError(RuntimeError):

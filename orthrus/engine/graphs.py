@@ -26,6 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from orthrus.engine.syncs import note_transfer
+
 from orthrus.engine.policy import SpeculationPolicy
 
 GraphKey = tuple[int, int, bool, bool, int | None]   # (block size or 0 = AR step, rows, filtered, all_greedy,
@@ -71,6 +73,7 @@ class CycleGraphs:
         host.copy_(torch.from_numpy(padded))
         # The previous iteration's read-back drained the stream, so the pinned buffer is free again.
         dev.copy_(host, non_blocking=self.capture)
+        note_transfer()
         return dev
 
     def run(self, key: GraphKey, padded: np.ndarray, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -13,12 +13,14 @@ prompt length.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from orthrus.engine.decode import PrefillBatch, SlotState
 from orthrus.engine.requests import Request
+from orthrus.engine.staging import HostStaging
 
 
 def admit(waiting: deque[Request], free: np.ndarray) -> tuple[np.ndarray, list[Request]]:
@@ -27,10 +29,21 @@ def admit(waiting: deque[Request], free: np.ndarray) -> tuple[np.ndarray, list[R
     return slots, [waiting.popleft() for _ in range(len(slots))]
 
 
-def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int],
-                  device: torch.device) -> tuple[PrefillBatch, int]:
-    """The device batch that prefills ``reqs`` into ``slots`` (see ``PrefillBatch``), given the
-    prompts other slots hold intact (``donors``: prompt → slot) → (batch, prompt tokens it computes)."""
+def _stops(reqs: list[Request], eos_token_ids: tuple[int, ...], width: int) -> np.ndarray:
+    """``[n, width]`` each request's stop ids (EOS and its own), padded with -1."""
+    stops = np.full((len(reqs), width), -1, dtype=np.int64)
+    for i, r in enumerate(reqs):
+        ids = sorted(set(eos_token_ids) | set(r.params.stop_token_ids))
+        stops[i, : len(ids)] = ids
+    return stops
+
+
+def admission(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int],
+              eos_token_ids: tuple[int, ...], stop_width: int, staging: HostStaging
+              ) -> tuple[PrefillBatch, SlotParams, int]:
+    """Everything the device needs to seat ``reqs`` in ``slots``, given the prompts other slots hold
+    intact (``donors``: prompt → slot), staged in ONE host→device copy → (the prefill batch, the
+    slots' sampling parameters, prompt tokens the prefill computes)."""
     distinct: dict[tuple[int, ...], int] = {}
     owners: list[int] = []
     copies, lent = [], []                         # (from slot, to slot): after / before the forward
@@ -43,33 +56,45 @@ def prefill_batch(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int
             distinct[r.key] = len(distinct)
             owners.append(slot)
     t = max((len(p) for p in distinct), default=0)
-    padded = torch.zeros((len(distinct), t), dtype=torch.long)                 # [u, T], right-padded
+    padded = np.zeros((len(distinct), t), dtype=np.int64)                      # [u, T], right-padded
     for i, p in enumerate(distinct):
-        padded[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-
-    def long(xs: list[int]) -> torch.Tensor:
-        return torch.as_tensor(xs, dtype=torch.long, device=device)
-    slot_list = slots.tolist()  # SYNC: none (host numpy)
-    batch = PrefillBatch(long(slot_list), long([len(r.prompt) for r in reqs]), padded.to(device),
-                         long([len(p) for p in distinct]), long(owners), long([c[0] for c in copies]),
-                         long([c[1] for c in copies]), long([c[0] for c in lent]), long([c[1] for c in lent]),
-                         max((len(r.key) for r in reqs if r.key in donors), default=0))
-    return batch, sum(len(p) for p in distinct)
-
-
-def load_slots(st: SlotState, slots: torch.Tensor, reqs: list[Request], eos_token_ids: tuple[int, ...]) -> None:
-    """Write the admitted requests' sampling parameters, seeds and stop ids into their slots."""
-    dev = slots.device
-    stops = torch.full((len(reqs), st.stop_ids.shape[1]), -1, dtype=torch.long)
-    for i, r in enumerate(reqs):
-        ids = sorted(set(eos_token_ids) | set(r.params.stop_token_ids))
-        stops[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        padded[i, : len(p)] = p
     ps = [r.params for r in reqs]
-    st.stop_ids[slots] = stops.to(dev)
-    st.row[slots] = torch.as_tensor([r.row for r in reqs], device=dev)
-    st.seed[slots] = torch.as_tensor([r.seed for r in reqs], device=dev)
-    st.max_new[slots] = torch.as_tensor([p.max_new_tokens for p in ps], device=dev)
-    st.temperature[slots] = torch.as_tensor([float(p.temperature) for p in ps], dtype=torch.float64, device=dev)
-    st.top_p[slots] = torch.as_tensor([float(p.top_p) for p in ps], dtype=torch.float64, device=dev)
-    st.top_k[slots] = torch.as_tensor([p.top_k for p in ps], device=dev)
-    st.greedy[slots] = torch.as_tensor([p.greedy for p in ps], device=dev)
+    ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    d = staging.stage({
+        "slots": ints(slots), "row_lens": ints([len(r.prompt) for r in reqs]), "prompts": padded,
+        "lens": ints([len(p) for p in distinct]), "owners": ints(owners), "copy_from": ints([c[0] for c in copies]),
+        "copy_to": ints([c[1] for c in copies]), "donor_from": ints([c[0] for c in lent]),
+        "donor_to": ints([c[1] for c in lent]), "stop_ids": _stops(reqs, eos_token_ids, stop_width),
+        "row": ints([r.row for r in reqs]), "seed": ints([r.seed for r in reqs]),
+        "max_new": ints([p.max_new_tokens for p in ps]), "top_k": ints([p.top_k for p in ps]),
+        "temperature": np.asarray([p.temperature for p in ps], dtype=np.float64),
+        "top_p": np.asarray([p.top_p for p in ps], dtype=np.float64),
+        "greedy": np.asarray([p.greedy for p in ps], dtype=bool)})
+    donor_len = max((len(r.key) for r in reqs if r.key in donors), default=0)
+    batch = PrefillBatch(d["slots"], d["row_lens"], d["prompts"], d["lens"], d["owners"], d["copy_from"],
+                         d["copy_to"], d["donor_from"], d["donor_to"], donor_len)
+    params = SlotParams(d["stop_ids"], d["row"], d["seed"], d["max_new"], d["temperature"], d["top_p"],
+                        d["top_k"], d["greedy"])
+    return batch, params, sum(len(p) for p in distinct)
+
+
+@dataclass(frozen=True)
+class SlotParams:
+    """The admitted requests' sampling parameters, seeds and stop ids, on the device (``[n]``, ``[n, S]``)."""
+
+    stop_ids: torch.Tensor
+    row: torch.Tensor
+    seed: torch.Tensor
+    max_new: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    greedy: torch.Tensor
+
+
+def load_slots(st: SlotState, slots: torch.Tensor, p: SlotParams) -> None:
+    """Write the admitted requests' sampling parameters, seeds and stop ids into their slots."""
+    st.stop_ids[slots] = p.stop_ids
+    st.row[slots], st.seed[slots], st.max_new[slots] = p.row, p.seed, p.max_new
+    st.temperature[slots], st.top_p[slots], st.top_k[slots], st.greedy[slots] = p.temperature, p.top_p, p.top_k, p.greedy

@@ -1,4 +1,4 @@
-"""Counting device→host reads, so "one host sync per decode iteration" is a measured number.
+"""Counting device→host reads and host→device copies, so "one host sync per decode iteration" is a measured number.
 
 Each read below blocks the host until the device has caught up (the tensor methods ``item``,
 ``tolist`` and ``cpu``, and Python's ``bool``/``int``/``float``/index conversions of a tensor, as
@@ -6,6 +6,13 @@ in ``if t.any():``). The decode loop's budget is one per iteration — the packe
 ``engine.py`` — and the tests and the benchmark check it with this counter. On a CPU nothing
 actually waits, but the same calls are counted: they are the places that would sync on a GPU. It patches
 ``torch.Tensor`` for the duration of the ``with`` block only: a profiling tool, not for serving.
+
+Host→device copies are counted in the same Counter: ``h2d_async`` for the decode loop's one-copy
+transfers through a staging buffer (``staging.py``, and the graphs' static slot buffer), and
+``h2d`` for ``torch.as_tensor`` / ``torch.tensor`` of host data with a device: copies from pageable
+memory, which synchronise a CUDA stream. The loop's budget for ``h2d`` is zero. (A host tensor's
+``.to(device)`` is not counted: on a CPU engine it cannot be told from a no-op ``.to`` of a device
+tensor, which transformers' rotary embedding makes every layer; the engine stages its own.)
 """
 from __future__ import annotations
 
@@ -17,6 +24,13 @@ import torch
 
 # (``numpy`` is not here: it only accepts host tensors, so the sync is the ``cpu`` call before it.)
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
+_ACTIVE: list[Counter] = []   # the counters of the ``count_host_reads`` blocks now open
+
+
+def note_transfer(kind: str = "h2d_async") -> None:
+    """Count one host→device copy made on purpose (the staging buffers call this)."""
+    for counts in _ACTIVE:
+        counts[kind] += 1
 
 
 def _counted(name: str, fn: Callable, counts: Counter) -> Callable:
@@ -26,16 +40,31 @@ def _counted(name: str, fn: Callable, counts: Counter) -> Callable:
     return counted
 
 
+def _factory(fn: Callable, counts: Counter) -> Callable:
+    def counted(data, *args, **kwargs):
+        if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+            counts["h2d"] += 1             # host data (a list, numpy) copied to a device
+        return fn(data, *args, **kwargs)
+    return counted
+
+
 @contextmanager
 def count_host_reads() -> Iterator[Counter]:
     """Yield a Counter of device→host reads by kind, filled while the block runs."""
     counts: Counter = Counter()
     own = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+    factories = {name: getattr(torch, name) for name in ("as_tensor", "tensor")}
     try:
         for name in HOST_READS:
             setattr(torch.Tensor, name, _counted(name, getattr(torch.Tensor, name), counts))
+        for name, fn in factories.items():
+            setattr(torch, name, _factory(fn, counts))
+        _ACTIVE.append(counts)
         yield counts
     finally:
+        _ACTIVE[:] = [c for c in _ACTIVE if c is not counts]
+        for name, fn in factories.items():
+            setattr(torch, name, fn)
         for name, fn in own.items():
             if fn is None:
                 delattr(torch.Tensor, name)
