@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+import warnings
 from collections import deque
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ from orthrus.engine.stop_strings import StopHit, StopStringScanner
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
+KEY_BUCKET = 128   # eager GPU attention: key lengths rounded up to a multiple of this (no token changes)
 ATTENTION_KERNELS = ("auto", "sdpa", "flash")
 SPECULATIVE_MODES = (True, False, "auto")
 
@@ -62,7 +64,8 @@ class OrthrusEngine:
 
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
                  max_seq_len: int | None = None, proposer: Proposer | None = None, attention: str = "auto",
-                 static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None) -> None:
+                 static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
+                 key_bucket: int | None = None) -> None:
         cfg = model.config
         _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
@@ -78,8 +81,12 @@ class OrthrusEngine:
         attn = model.model.layers[0].self_attn
         self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
                                    self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
-        self.cache.flash_kernel = self._flash_kernel(attention, param.dtype)
+        self.cache.flash_kernel = self._flash_kernel(attention, param.dtype, attn)
         self.attention = "sdpa" if self.cache.flash_kernel is None else "flash"
+        # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans (cuDNN)
+        # are built per shape, and the exact length changes almost every iteration. On a CPU the
+        # extra (masked) keys would only cost compute, so lengths stay exact there by default.
+        self.cache.key_bucket = key_bucket or (KEY_BUCKET if self.device.type == "cuda" else 1)
         # Static shapes pay off with flash, which reads only each row's own length; with SDPA every
         # forward would mask (and, below B rows, gather) the whole capacity, so it is opt-in there.
         default_static = self.device.type == "cuda" and self.attention == "flash"
@@ -108,11 +115,20 @@ class OrthrusEngine:
         self._added = 0              # requests added so far (each one's row index for the proposer)
         self.busy_slot_iterations = 0   # sum over iterations of occupied slots (occupancy = this / iterations / B)
 
-    def _flash_kernel(self, attention: str, dtype: torch.dtype) -> flash.KVCacheKernel | None:
+    def _flash_kernel(self, attention: str, dtype: torch.dtype, attn) -> flash.KVCacheKernel | None:
         why_not = flash.unavailable_reason(self.device, dtype)
         if attention == "flash" and why_not:
             raise ValueError(f"attention='flash' is unavailable: {why_not}")
-        return flash.kernel() if attention != "sdpa" and not why_not else None
+        fn = flash.kernel() if attention != "sdpa" and not why_not else None
+        if fn is not None and attention == "auto":
+            # A package that imports but cannot run here (a stub, a build for another GPU) would
+            # fail at the first forward: one tiny call decides, and 'auto' falls back to SDPA.
+            failure = flash.probe(fn, self.device, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            if failure is not None:
+                warnings.warn(f"attention='auto': flash_attn is importable but failed a probe call ({failure}); "
+                              "using SDPA", stacklevel=3)
+                return None
+        return fn
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""

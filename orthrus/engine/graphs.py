@@ -55,6 +55,7 @@ class CycleGraphs:
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.eager_only: set[GraphKey] = set()
         self.slot_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # rows -> (host, device)
+        self.capture_failures: list[str] = []   # why a key runs eagerly (reported by jobs/gpu_check)
         self.pool = None
 
     def clear(self) -> None:
@@ -97,11 +98,17 @@ class CycleGraphs:
     def _capture(self, key: GraphKey, slots: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Record ``fn`` as this key's graph; a key whose capture fails runs eagerly from then on."""
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: another thread's allocator calls (the actor's asyncio loop, Ray's
+            # threads) cannot invalidate this capture; only this thread's unsafe calls fail it.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = fn(slots)              # recorded, not run: no state moves
         except RuntimeError as err:          # e.g. a custom proposer that syncs: slower, still exact
+            # A capture that fails in its exit leaves the capture stream current: restore ours.
+            torch.cuda.set_stream(stream)
             warnings.warn(f"CUDA graph capture failed for {key}; running it eagerly: {err}", stacklevel=3)
+            self.capture_failures.append(f"{key}: {err}"[:300])
             self.eager_only.add(key)
             return
         self.pool = graph.pool()

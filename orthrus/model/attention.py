@@ -18,7 +18,7 @@ overwrites with AR K/V right after, so the diffusion view never leaves anything 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,29 @@ class BlockBatch:
     kv_len: int                 # host-known bound: max(key_limit) <= kv_len <= capacity
     causal: bool = True         # False only for the draft block; the same rule as key_limit, for
                                 # kernels that take lengths instead of a mask (flash.py)
+    # Filled once per forward by ``prepare`` (not per layer): what every layer's kernel reads.
+    mask: torch.Tensor | None = None         # [b, 1, T, L] bool: key j visible to query t (SDPA)
+    write_slots: torch.Tensor | None = None  # [b] long: the cache slots the block is written to
+    starts32: torch.Tensor | None = None     # [b] int32: each row's first position (flash)
+    slots32: torch.Tensor | None = None      # [b] int32 or None (flash)
+
+    def prepare(self, num_slots: int, flash_kernel: bool, key_bucket: int = 1, capacity: int | None = None
+                ) -> "BlockBatch":
+        """This batch with its per-forward tensors computed once for all layers.
+
+        ``key_bucket`` > 1 rounds the attended key length up to a multiple of it (capped at
+        ``capacity``): the extra keys are masked, so no token changes, and the eager GPU path sees a
+        few key lengths instead of a new one almost every iteration (kernel plans are per shape).
+        """
+        if flash_kernel:
+            return replace(self, starts32=self.positions[:, 0].to(torch.int32),
+                           slots32=None if self.slots is None else self.slots.to(torch.int32))
+        kv_len = self.kv_len
+        if key_bucket > 1:
+            kv_len = min(-(-kv_len // key_bucket) * key_bucket, capacity or kv_len)
+        keys = torch.arange(kv_len, device=self.positions.device)
+        mask = (keys[None, None, :] < self.key_limit[:, :, None])[:, None]         # [b, 1, T, L]
+        return replace(self, kv_len=kv_len, mask=mask, write_slots=self.slot_index(num_slots))
 
     def slot_index(self, num_slots: int) -> torch.Tensor:
         """The slots as a tensor, materialising ``arange(B)`` for the all-slots case."""
@@ -52,11 +75,13 @@ class BlockBatch:
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_limit: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA of ``q [b, H, T, D]`` over ``k, v [b, Hk, L, D]`` with per-row, per-query key limits."""
-    keys = torch.arange(k.shape[2], device=q.device)
-    visible = keys[None, None, :] < key_limit[:, :, None]            # [b, T, L]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale,
+                     key_limit: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of ``q [b, H, T, D]`` over ``k, v [b, Hk, L, D]`` with per-row, per-query key limits
+    (``mask [b, 1, T, L]``: the same rule, computed once per forward by ``BlockBatch.prepare``)."""
+    if mask is None:
+        keys = torch.arange(k.shape[2], device=q.device)
+        mask = (keys[None, None, :] < key_limit[:, :, None])[:, None]  # [b, 1, T, L]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out                                                         # [b, H, T, D]
 
@@ -107,12 +132,12 @@ class OrthrusAttention(nn.Module):
         q, k, v = self.project(x, cos, sin, diffusion)
         if cache.flash_kernel is not None:   # one fused append + attend, bounded by each row's length
             out = flash.kvcache_attention(q, k, v, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                          batch.positions[:, 0], batch.slots, batch.causal, self.scale,
+                                          batch.starts32, batch.slots32, batch.causal, self.scale,
                                           cache.flash_kernel)
             return self.output(out, diffusion)
-        cache.write(self.layer_idx, batch.slot_index(cache.num_slots), batch.positions, k, v)
+        cache.write(self.layer_idx, batch.write_slots, batch.positions, k, v)
         k_all, v_all = cache.read(self.layer_idx, batch.slots, batch.kv_len)  # [b, Hk, L, D]
-        return self.output(ragged_attention(q, k_all, v_all, batch.key_limit, self.scale), diffusion)
+        return self.output(ragged_attention(q, k_all, v_all, batch.key_limit, self.scale, batch.mask), diffusion)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       mask: torch.Tensor | None, diffusion: bool = False) -> torch.Tensor:

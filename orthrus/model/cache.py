@@ -32,6 +32,8 @@ class RaggedKVCache:
         # The kernel that appends to and reads this cache: None = write() + read() + SDPA with a mask;
         # else a flash_attn_with_kvcache-compatible function (see flash.py), set by the engine.
         self.flash_kernel: Callable[..., torch.Tensor] | None = None
+        # The SDPA path attends to keys up to a multiple of this (1: exactly kv_len), set by the engine.
+        self.key_bucket = 1
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor) -> None:

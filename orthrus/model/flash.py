@@ -56,12 +56,27 @@ def kvcache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     """Append ``k_new, v_new [b, Hk, T, D]`` at ``starts [b]`` and attend ``q [b, H, T, D]`` → ``[b, H, T, D]``.
 
     ``k_cache, v_cache [B, Hk, S, D]`` are updated in place; ``slots [b]`` picks each row's slot
-    (None: rows are slots 0 … B-1).
+    (None: rows are slots 0 … B-1). ``starts`` and ``slots`` are int32 (``BlockBatch.prepare``).
     """
     out = fn(q.transpose(1, 2),                                    # [b, T, H, D]
              k_cache.transpose(1, 2), v_cache.transpose(1, 2),      # [B, S, Hk, D] views, no copy
              k=k_new.transpose(1, 2), v=v_new.transpose(1, 2),      # [b, T, Hk, D]
-             cache_seqlens=starts.to(torch.int32),
-             cache_batch_idx=None if slots is None else slots.to(torch.int32),
+             cache_seqlens=starts, cache_batch_idx=slots,                 # int32, made once per forward
              softmax_scale=scale, causal=causal)
     return out.transpose(1, 2)                                      # [b, H, T, D]
+
+
+def probe(fn: KVCacheKernel, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+          head_dim: int) -> str | None:
+    """One tiny call of ``fn`` with this model's head layout → None if it ran, else why it failed."""
+    try:
+        cache = torch.zeros((1, kv_heads, 16, head_dim), dtype=dtype, device=device)   # [B, Hk, S, D]
+        q = torch.zeros((1, heads, 1, head_dim), dtype=dtype, device=device)
+        new = torch.zeros((1, kv_heads, 1, head_dim), dtype=dtype, device=device)
+        start = torch.zeros(1, dtype=torch.int32, device=device)
+        kvcache_attention(q, new, new, cache, cache.clone(), start, None, True, head_dim ** -0.5, fn)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)   # an asynchronous kernel error surfaces here, not later
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+        return f"{type(e).__name__}: {e}"[:300]
+    return None

@@ -116,6 +116,7 @@ class OrthrusForCausalLM(PreTrainedModel):
         """Run one view on ``input_ids [b, T]`` over the ragged cache → final hidden ``[b, T, E]``."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._rope(h, batch.positions)
+        batch = batch.prepare(cache.num_slots, cache.flash_kernel is not None, cache.key_bucket, cache.capacity)
         for layer in self.model.layers:
             h = layer.forward_cached(h, cos, sin, cache, batch, diffusion)
         return self.model.norm(h)
