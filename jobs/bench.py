@@ -22,11 +22,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from jobs import bench_audit, bench_job, bench_logprobs, bench_scale, bench_storage
+# Only modules that need no more than torch, transformers and pyarrow here: jobs.gpu_check imports
+# this file on a bare GPU image (no pydantic, no Ray). The job's sections (bench_audit, bench_job,
+# bench_scale, bench_storage → pipeline) are imported where they run.
+from jobs import bench_logprobs
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.attention import BlockBatch
-from orthrus.engine.syncs import count_host_reads
+from orthrus.engine.syncs import count_host_reads, host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
 
@@ -232,12 +235,13 @@ def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> fl
     before = engine.iterations
     with count_host_reads() as reads:
         engine.generate(prompts, SamplingParams(max_new_tokens=max_new), speculative=True)
-    return sum(reads.values()) / (engine.iterations - before)
+    return host_reads(reads) / (engine.iterations - before)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.only == "scale":
+        from jobs import bench_scale
         bench_scale.main(["--sizes", args.scale_sizes, "--out", str(Path(args.out).with_name("bench_scale.json"))])
         return
     if args.threads:
@@ -252,11 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     default_bs = "1,8,32,128" if args.device == "cuda" else "1,4,16,64"
     sizes = [int(x) for x in (args.batch_sizes or default_bs).split(",")]
     modes = [m for m in args.modes.split(",") if m]
-    hf = None
-    if "hf" in modes:
-        with torch.device(args.device):    # built in place: a 1.7B model initialised on the host is slow
-            hf = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype).eval()
-        hf.load_state_dict({k: v for k, v in model.state_dict().items() if "_diff." not in k}, strict=False)
+    hf = hf_twin(model, args.device) if "hf" in modes else None
     report = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
               "block_size": args.block_size or model.block_size, "reps": args.reps, "results": {}}
     report["forward_ms"] = forward_profile(model, sizes)
@@ -264,30 +264,44 @@ def main(argv: list[str] | None = None) -> None:
         report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
         print_row(b, report["results"][b])
     if args.job and args.device == "cpu":
-        report["job_vs_engine"] = bench_job.job_vs_engine(model, args.model, prompts, args.job_config,
-                                                          args.max_new_tokens)
-        print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
-        report["skewed_job"] = bench_job.skewed_job(args.model, args.prompts, args.job_config, args.skewed_rows)
-        print(f"Length-skewed workload, job vs bare engine: {report['skewed_job']}", flush=True)
-        report["shared_prefill"] = bench_job.shared_prefill(model, prompts[:16])
-        print(f"n = 4 samples per prompt, prefill: {report['shared_prefill']}", flush=True)
-        report["stop_strings"] = bench_job.stop_string_waste(args.job_config)
-        print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
-        report["audit_overhead"] = bench_audit.audit_overhead(args.model, args.prompts)
-        print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
-        report["storage"] = bench_storage.storage_vs_local(args.model, args.prompts, args.job_config)
-        print(f"Same job, local disk vs an S3 endpoint on loopback: {report['storage']}", flush=True)
-        if args.scale_sizes:
-            sizes = [x for x in args.scale_sizes.split(",") if x.strip()]
-            report["scale"] = bench_scale.scale_report(sizes, bench_scale.resume_sizes_for(sizes))
-            print("The job around the engine at scale (null stage):\n"
-                  + bench_scale.render_targets(report["scale"]["targets"]), flush=True)
+        job_sections(report, args, model, prompts)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
     Path(args.out).write_text(json.dumps(report, indent=2))
     plot(report, str(Path(args.out).with_suffix(".png")))
     print(f"wrote {args.out} and its plot")
+
+
+def job_sections(report: dict, args, model: OrthrusForCausalLM, prompts) -> None:
+    """The job around the engine (CPU): Ray Data job vs bare engine, audit, storage, scale."""
+    from jobs import bench_audit, bench_job, bench_scale, bench_storage   # pipeline, pydantic, Ray
+    report["job_vs_engine"] = bench_job.job_vs_engine(model, args.model, prompts, args.job_config,
+                                                      args.max_new_tokens)
+    print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
+    report["skewed_job"] = bench_job.skewed_job(args.model, args.prompts, args.job_config, args.skewed_rows)
+    print(f"Length-skewed workload, job vs bare engine: {report['skewed_job']}", flush=True)
+    report["shared_prefill"] = bench_job.shared_prefill(model, prompts[:16])
+    print(f"n = 4 samples per prompt, prefill: {report['shared_prefill']}", flush=True)
+    report["stop_strings"] = bench_job.stop_string_waste(args.job_config)
+    print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
+    report["audit_overhead"] = bench_audit.audit_overhead(args.model, args.prompts)
+    print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
+    report["storage"] = bench_storage.storage_vs_local(args.model, args.prompts, args.job_config)
+    print(f"Same job, local disk vs an S3 endpoint on loopback: {report['storage']}", flush=True)
+    if args.scale_sizes:
+        sizes = [x for x in args.scale_sizes.split(",") if x.strip()]
+        report["scale"] = bench_scale.scale_report(sizes, bench_scale.resume_sizes_for(sizes))
+        print("The job around the engine at scale (null stage):\n"
+              + bench_scale.render_targets(report["scale"]["targets"]), flush=True)
+
+
+def hf_twin(model: OrthrusForCausalLM, device: str) -> Qwen3ForCausalLM:
+    """transformers' Qwen3 with the AR view's weights (the ``hf`` mode's model)."""
+    with torch.device(device):    # built in place: a 1.7B model initialised on the host is slow
+        hf = Qwen3ForCausalLM(model.config).to(next(model.parameters()).dtype).eval()
+    hf.load_state_dict({k: v for k, v in model.state_dict().items() if "_diff." not in k}, strict=False)
+    return hf
 
 
 def plot(report: dict, path: str) -> None:

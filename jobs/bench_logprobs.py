@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.engine.syncs import count_host_reads
+from orthrus.engine.syncs import count_host_reads, host_reads
 
 SETTINGS: tuple[int | None, ...] = (None, 0, 5)
 
@@ -63,7 +63,7 @@ def bench_batch(model: OrthrusForCausalLM, prompts: list[list[int]], b: int, rep
     before = engine.iterations
     with count_host_reads() as reads:
         _run_once(engine, rows, max_new, 5)
-    cells["host_reads_per_iteration_logprobs_5"] = sum(reads.values()) / (engine.iterations - before)
+    cells["host_reads_per_iteration_logprobs_5"] = host_reads(reads) / (engine.iterations - before)
     cells["rows"] = len(rows)
     return cells
 

@@ -1,37 +1,89 @@
-"""The one script to run when a session is lent a GPU (≤ 10 minutes on an H200).
+"""The one script to run when a session is lent a GPU (an H200, about 10 minutes of it):
 
-    python3 -m jobs.gpu_check --out "$OUT"
+    python3 -m jobs.gpu_check --out "$OUT"                   # budget 480 s (--budget-s)
+    python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/test_gpu_check.py)
 
-1. Exactness on the real kernels, which CPU tests can only emulate: the bundled model in float32 on
-   CUDA, greedy and seeded sampling, eager SDPA vs static shapes replayed from CUDA graphs — token
-   for token. With flash-attn importable, the same in bf16 for flash + graphs vs eager SDPA, reported
-   as the share of identical rows (bf16 reductions of different shapes may flip near-ties; DESIGN §3).
-   Also bf16 speculative vs plain AR: what the job's lossless audit would report on a bf16 GPU run.
-2. ``jobs.bench --device cuda``: bf16 Qwen3-1.7B-shaped random weights, K = 32, B ∈ {1, 8, 32, 128},
-   cycle time ÷ AR step time, written to ``<out>/bench-cuda.json`` and its plot (without flash-attn,
-   also SDPA + CUDA graphs at B ∈ {1, 8}: ``bench-cuda-sdpa-graphs.json``).
+Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench`` only: nothing from ``pipeline``
+(pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with the reason,
+when the budget has less time left than its estimate or it cannot run here (CUDA only, no
+flash-attn); one that raises is recorded with its error and the next runs; a timer interrupts one
+that outruns the budget. ``<out>/gpu-check.json`` is rewritten (temp + rename) after EVERY step, so
+a run stopped early still returns what it measured; bench steps also write ``bench-<device>.json``.
+
+| step                       | what                                                          | H200 s, est. |
+|----------------------------|---------------------------------------------------------------|--------------|
+| sdpa_backends              | SDPA flags, priority; the backend the engine's shapes get     |  5           |
+| fp32_graphs_vs_eager       | fp32 bundled model: CUDA graphs vs eager, token for token     | 30           |
+| bf16_speculative_vs_ar     | what the job's lossless audit reports on a bf16 run           | 15           |
+| bf16_flash_graphs_vs_eager | flash + graphs vs eager SDPA (with flash-attn only)           | 20           |
+| sync_debug                 | one decode iteration under ``set_sync_debug_mode("warn")``    | 10           |
+| bench_model                | bf16 Qwen3-1.7B-shaped random weights + the HF twin           | 40           |
+| bench_forward_profile      | ms per forward, B in {1, 8, 32, 128} x T in {1 ... 32}        | 20           |
+| bench_b1                   | orthrus, ar; rows = B, 64 new tokens, 2 reps + a warm-up      | 30           |
+| bench_b8 / b32 / b128      | orthrus, auto, ar, hf (transformers ``generate``)             | 40 / 45 / 70 |
+| bench_sdpa_graphs_b1 / b8  | SDPA + CUDA graphs, orthrus and ar (without flash-attn only)  | 30 / 30      |
+| bench_plot                 | ``bench-cuda.png``                                            |  5           |
+
+370 s without flash-attn (the image has none), 330 s with it (no SDPA-graphs steps): ESTIMATES (no GPU ran
+this code) from aten op counts taken on the CPU: a K = 32 cycle of the 1.7B shape is ~4,500 ops, an
+AR step ~2,300, at B = 1 and 8 alike (launch-bound); the bundled model's ~780 and ~420. At ~6 us of
+host time per eager op a cycle is ~30 ms, an AR step ~15 ms up to B = 32; at B = 128 a cycle is ~28
+TFLOP, ~60 ms. Random weights accept ~no drafts (a 64-token row = 64 cycles); an exactness run is
+62-143 iterations per 24 prompts. Each estimate is 2-3x the sum, for first-use costs (context, capture).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import sys
+import threading
 import time
+import traceback
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import transformers
 from transformers import AutoTokenizer
 
 from jobs import bench
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus.engine.syncs import count_host_reads
 from orthrus.model import flash
 
+# Per device: exactness prompts and new tokens; bench batch sizes, new tokens, timed repetitions.
+SIZES = {"cuda": {"n": 24, "max_new": 64, "batch_sizes": (1, 8, 32, 128), "bench_new": 64, "reps": 2},
+         "cpu": {"n": 10, "max_new": 12, "batch_sizes": (1, 2), "bench_new": 8, "reps": 1}}
+ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "bf16_speculative_vs_ar": 15,
+              "bf16_flash_graphs_vs_eager": 20, "sync_debug": 10, "bench_model": 40, "bench_forward_profile": 20,
+              "bench_b1": 30, "bench_b8": 40, "bench_b32": 45, "bench_b128": 70,
+              "bench_sdpa_graphs_b1": 30, "bench_sdpa_graphs_b8": 30, "bench_plot": 5}
+# The engine's SDPA calls in the bench's shape (H = 16, Hk = 8, D = 128) as (rows, queries, keys),
+# always masked with grouped KV heads: eager keys rounded up to 128s, static ones the whole capacity.
+SDPA_SHAPES = {"ar_step_b8": (8, 1, 256), "cycle_b8": (8, 32, 384), "cycle_b128": (128, 32, 384),
+               "static_cycle_b8": (8, 32, 1056), "prefill_b8": (8, 200, 256)}
 
-def _tokens(model, prompts, params, **engine_kwargs) -> list[list[int]]:
+
+def _prompts(model_dir: str, shards: str, n: int) -> list[list[int]]:
+    return load_prompt_ids(AutoTokenizer.from_pretrained(model_dir), shards, n=n)
+
+
+def _tokens(model, prompts, params, **engine_kwargs) -> tuple[list[list[int]], dict]:
+    """Token ids per prompt, and what the engine's CUDA graphs did (captured, failed to capture)."""
     engine = OrthrusEngine(model, max_batch_size=8, max_seq_len=512, **engine_kwargs)
     warm = params if isinstance(params, SamplingParams) else params[:8]
     engine.generate(prompts[:8], warm)                      # warm-up: captures the graphs
-    return [r.token_ids for r in engine.generate(prompts, params)]
+    tokens = [r.token_ids for r in engine.generate(prompts, params)]
+    graphs = engine.graphs
+    return tokens, {"captured": len(graphs.graphs), "eager_only": len(graphs.eager_only),
+                    "capture_failures": list(getattr(graphs, "capture_failures", ["(not recorded)"]))}
 
 
 def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
@@ -44,52 +96,349 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
             "first_divergence_at_token": min(diverge) if diverge else None}
 
 
-def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, max_new: int = 64) -> dict:
-    """Graph/flash paths vs eager SDPA on the bundled model and ``n`` held-out prompts (on a CPU the
-    static path runs without capture: a smoke test of this script)."""
-    prompts = load_prompt_ids(AutoTokenizer.from_pretrained(model_dir), shards, n=n)
-    report = {}
+def fp32_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> dict:
+    """Static shapes replayed from CUDA graphs vs eager SDPA, float32, greedy and seeded sampling
+    (on a CPU the static path runs without capture)."""
     model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
+    report, graphs = {}, {}
     for name, params in (("greedy", SamplingParams(temperature=0.0, max_new_tokens=max_new)),
                          ("sampled", [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=max_new, seed=i)
                                       for i in range(len(prompts))])):
-        eager = _tokens(model, prompts, params, attention="sdpa", static_shapes=False)
-        graphs = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)   # SDPA graphs: forced
-        report[f"fp32_{name}_graphs_vs_eager"] = _agreement(graphs, eager)
+        eager, _ = _tokens(model, prompts, params, attention="sdpa", static_shapes=False)
+        got, graphs[name] = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)  # forced
+        report[f"fp32_{name}_graphs_vs_eager"] = _agreement(got, eager)
+    return {**report, "cuda_graphs": graphs}
+
+
+def _bf16_greedy(model_dir: str, prompts, device: str, max_new: int, got: dict, want: dict) -> tuple[dict, dict]:
+    """Greedy bf16 tokens of engines built with ``got`` vs ``want``: their agreement, got's graphs."""
     half = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device=device)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    # What the job's lossless audit (audit.fraction) reports on a bf16 run: speculative vs plain AR.
-    report["bf16_greedy_speculative_vs_ar"] = _agreement(
-        _tokens(half, prompts, params, attention="sdpa", speculative=True),
-        _tokens(half, prompts, params, attention="sdpa", speculative=False))
-    if flash.unavailable_reason(torch.device(device), torch.bfloat16) is None:
-        eager = _tokens(half, prompts, params, attention="sdpa", static_shapes=False)
-        fast = _tokens(half, prompts, params, attention="flash", static_shapes=True)
-        report["bf16_greedy_flash_graphs_vs_eager"] = _agreement(fast, eager)
-    else:
-        report["flash"] = f"not run: {flash.unavailable_reason(torch.device(device), torch.bfloat16)}"
+    tokens, graphs = _tokens(half, prompts, params, **got)
+    return _agreement(tokens, _tokens(half, prompts, params, **want)[0]), graphs
+
+
+def bf16_speculative_vs_ar(model_dir: str, prompts, device: str, max_new: int) -> dict:
+    """What the job's lossless audit (audit.fraction) reports on a bf16 run: speculative vs plain AR."""
+    agree, _ = _bf16_greedy(model_dir, prompts, device, max_new, {"attention": "sdpa", "speculative": True},
+                            {"attention": "sdpa", "speculative": False})
+    return {"bf16_greedy_speculative_vs_ar": agree}
+
+
+def bf16_flash_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> dict:
+    """Flash + graphs vs eager SDPA in bf16: the share of identical rows (bf16 reductions of
+    different shapes may flip near-ties; DESIGN §3)."""
+    why_not = flash.unavailable_reason(torch.device(device), torch.bfloat16)
+    if why_not:
+        return {"flash": f"not run: {why_not}"}
+    agree, graphs = _bf16_greedy(model_dir, prompts, device, max_new, {"attention": "flash", "static_shapes": True},
+                                 {"attention": "sdpa", "static_shapes": False})
+    return {"bf16_greedy_flash_graphs_vs_eager": agree, "flash_cuda_graphs": graphs}
+
+
+def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, max_new: int = 64) -> dict:
+    """The three exactness checks above in one call, on ``n`` held-out prompts."""
+    prompts = _prompts(model_dir, shards, n)
+    return {**fp32_graphs_vs_eager(model_dir, prompts, device, max_new),
+            **bf16_speculative_vs_ar(model_dir, prompts, device, max_new),
+            **bf16_flash_graphs_vs_eager(model_dir, prompts, device, max_new)}
+
+
+def _guard(fn: Callable[[], object]) -> object:
+    """``fn()``, or its error as a string: an API missing from this torch must not end the check."""
+    try:
+        return fn()
+    except Exception as err:
+        return f"error: {type(err).__name__}: {err}"
+
+
+def _sdpa_choice(device: torch.device, dtype: torch.dtype, b: int, t: int, keys: int) -> dict:
+    """The backend ``torch._fused_sdp_choice`` picks for one engine-shaped call, and why flash and
+    memory-efficient attention can or cannot take it (their debug warnings)."""
+    q = torch.zeros((b, 16, t, 128), device=device, dtype=dtype)
+    kv = torch.zeros((b, 8, keys, 128), device=device, dtype=dtype)
+    mask = torch.ones((b, 1, t, keys), device=device, dtype=torch.bool)
+    pick = torch._fused_sdp_choice(q, kv, kv, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None,
+                                   enable_gqa=True)
+    out = {"choice": torch.nn.attention.SDPBackend(pick).name}
+    params = torch.nn.attention.SDPAParams(q, kv, kv, mask, 0.0, False, True)
+    for name in ("flash", "efficient"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = getattr(torch.backends.cuda, f"can_use_{name}_attention")(params, True)
+        out[f"can_use_{name}"] = {"ok": ok, "why": [str(w.message)[:300] for w in caught]}
+    return out
+
+
+def sdpa_backends(device: torch.device) -> dict:
+    """Which SDPA backends are on, in what order, and which one the engine's shapes get."""
+    cuda = torch.backends.cuda
+    info = {name: _guard(lambda name=name: getattr(cuda, name)())
+            for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled")}
+    info["priority_order"] = _guard(lambda: [torch.nn.attention.SDPBackend(int(b)).name
+                                             for b in torch._C._get_sdp_priority_order()])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    info["engine_shapes"] = {name: _guard(lambda s=shape: _sdpa_choice(device, dtype, *s))
+                             for name, shape in SDPA_SHAPES.items()}
+    return info
+
+
+@contextmanager
+def _sync_warnings(device: torch.device):
+    """Collect what ``set_sync_debug_mode("warn")`` reports in the block (CUDA only); the mode is
+    put back afterwards."""
+    found: dict = {}
+    if device.type != "cuda":
+        found["sync_debug_mode"] = "skipped: needs CUDA"
+        yield found
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    messages = [str(w.message) for w in caught]
+    sync = [m for m in messages if "synchroniz" in m]
+    found.update(sync_warnings=len(sync), other_warnings=len(messages) - len(sync),
+                 messages=sorted(set(m[:300] for m in messages))[:10])
+
+
+def sync_debug(model_dir: str, prompts, device: str) -> dict:
+    """One steady-state decode iteration, eager and replayed from a graph: its host transfers (the
+    read budget is 1) and, on CUDA, the synchronising calls the sync debug mode reports."""
+    model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
+    report = {}
+    for name, static in (("eager", False), ("graphs", True)):
+        engine = OrthrusEngine(model, max_batch_size=4, max_seq_len=256, attention="sdpa", static_shapes=static)
+        for p in prompts[:4]:
+            engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=64))
+        engine.step()
+        engine.step()            # prefill, then the iteration that captures; the next one replays
+        with count_host_reads() as reads, _sync_warnings(engine.device) as found:
+            engine.step()
+        report[name] = {"host_transfers": dict(reads), **found}
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
+class BudgetExhausted(BaseException):
+    """Raised by the timer inside a step that outran the budget. A BaseException, so that the
+    engine's ``except Exception`` (which resets it and re-raises as EngineStepError) lets it through."""
+
+
+def _fire(signum, frame) -> None:
+    raise BudgetExhausted()
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Interrupt the block after ``seconds`` (main thread, POSIX; elsewhere no timer)."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGALRM, _fire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Step(NamedTuple):
+    name: str
+    run: Callable[[], dict]
+    why_not: Callable[[], str | None] = lambda: None     # a reason it cannot run here, or None
+
+    @property
+    def estimate_s(self) -> float:
+        return ESTIMATE_S.get(self.name, 30)     # the CPU smoke run's bench_b2 has no H200 figure
+
+
+class Check:
+    """Runs the steps under one wall-clock budget and keeps ``gpu-check.json`` current."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.device = args, torch.device(args.device)
+        self.sizes = SIZES[self.device.type]
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start, self.exhausted = time.monotonic(), False
+        self.report = {**_environment(self.device), "budget_s": args.budget_s, "finished": False, "steps": {}}
+        self.bench: dict = {}      # the bench steps' shared model, prompts and partial reports
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.start)
+
+    def save(self) -> None:
+        self.report["elapsed_s"] = round(time.monotonic() - self.start, 2)
+        _write_json(self.out / "gpu-check.json", self.report)
+
+    def _skip_reason(self, step: Step) -> str | None:
+        if self.exhausted:
+            return "the budget ran out during an earlier step"
+        why_not = _guard(step.why_not)
+        if why_not:
+            return str(why_not)
+        if self.left() < step.estimate_s:
+            return f"{max(self.left(), 0):.0f} s of the budget left; the step is estimated at {step.estimate_s:g} s"
+        return None
+
+    def run(self, step: Step) -> None:
+        entry: dict = {"estimate_s": step.estimate_s}
+        reason = self._skip_reason(step)
+        if reason:
+            entry.update(status="skipped", reason=reason)
+        else:
+            print(f"[gpu_check] {step.name}: running ({self.left():.0f} s left)", flush=True)
+            t = time.monotonic()
+            try:
+                with _deadline(self.left()):
+                    result = step.run()
+                entry.update(status="ok", result=result)
+            except BudgetExhausted:
+                self.exhausted = True
+                entry.update(status="interrupted", reason="the budget ran out during this step")
+            except Exception as err:       # recorded (a graph capture that raises, too); the next step runs
+                entry.update(status="error", error=f"{type(err).__name__}: {err}"[:2000],
+                             traceback=traceback.format_exc()[-4000:])
+            entry["seconds"] = round(time.monotonic() - t, 2)
+        self.report["steps"][step.name] = entry
+        self.save()
+        print(f"[gpu_check] {step.name}: {entry['status']} {entry.get('seconds', '')} {entry.get('reason', '')}"
+              f"{entry.get('error', '')}", flush=True)
+
+    @cached_property
+    def prompts(self) -> list[list[int]]:
+        return _prompts(self.args.model, self.args.prompts, self.sizes["n"])
+
+    def bench_args(self, graphs: bool = False) -> argparse.Namespace:
+        """The trimmed bench: rows = B (one wave), few repetitions; SDPA + CUDA graphs if asked."""
+        args = bench.parse_args(["--device", self.device.type, "--model", self.args.model, "--prompts",
+                                 self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
+                                 str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
+                                 "--attention", "sdpa" if graphs else "auto"])
+        args.cuda_graphs = True if graphs else None
+        return args
+
+    def bench_model(self) -> dict:
+        args = self.bench_args()
+        torch.manual_seed(0)
+        model, prompts = bench.gpu_model() if self.device.type == "cuda" else bench.cpu_model(args)
+        self.bench.update(model=model, prompts=prompts, hf=bench.hf_twin(model, args.device))
+        head = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+                "block_size": model.block_size, "reps": args.reps, "rows": "B"}
+        self.bench["report"] = {**head, "results": {}}
+        self.bench["graphs_report"] = {**head, "attention": "sdpa", "cuda_graphs": True, "results": {}}
+        return {"parameters": sum(p.numel() for p in model.parameters()), "prompts": len(prompts), **_cuda_mib()}
+
+    def bench_forward_profile(self) -> dict:
+        ms = bench.forward_profile(self.bench["model"], list(self.sizes["batch_sizes"]))
+        self.bench["report"]["forward_ms"] = ms
+        self._save_bench()
+        return ms
+
+    def bench_batch(self, b: int, graphs: bool = False) -> dict:
+        # At B = 1, HF generate and the auto policy's probing are the slowest cells and tell the least.
+        modes = ["orthrus", "ar"] if b == 1 or graphs else list(bench.MODES)
+        st = self.bench
+        with warnings.catch_warnings(record=True) as caught:     # a failed capture warns (graphs.py)
+            warnings.simplefilter("always")
+            cells = bench.bench_batch(b, self.bench_args(graphs), st["model"], st["prompts"], st["hf"], modes)
+        cells["warnings"] = sorted({str(w.message)[:300] for w in caught})[:10]
+        bench.print_row(b, cells)
+        st["graphs_report" if graphs else "report"]["results"][str(b)] = cells
+        self._save_bench()
+        return cells
+
+    def bench_plot(self) -> dict:
+        path = self.out / f"bench-{self.device.type}.png"
+        bench.plot(self.bench["report"], str(path))
+        return {"plot": path.name}
+
+    def _save_bench(self) -> None:
+        dev = self.device.type
+        for key, name in (("report", f"bench-{dev}.json"), ("graphs_report", f"bench-{dev}-sdpa-graphs.json")):
+            if self.bench[key].get("results") or self.bench[key].get("forward_ms"):
+                _write_json(self.out / name, {**self.bench[key], **_cuda_mib()})
+
+
+def _cuda_mib() -> dict:
+    return {"peak_cuda_mib": torch.cuda.max_memory_allocated() / 2 ** 20} if torch.cuda.is_available() else {}
+
+
+def _environment(device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    gib = _guard(lambda: torch.cuda.get_device_properties(device).total_memory / 2 ** 30) if cuda else None
+    return {"device": _guard(lambda: torch.cuda.get_device_name(device)) if cuda else "cpu", "memory_gib": gib,
+            "torch": torch.__version__, "transformers": transformers.__version__, "cuda_runtime": torch.version.cuda,
+            "python": sys.version.split()[0], "sizes": SIZES[device.type],
+            "flash_attn": flash.unavailable_reason(device, torch.bfloat16) or "importable"}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Temp file + rename: a reader (or a run killed mid-write) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def steps(check: Check) -> list[Step]:
+    """Every step, in the order of the module docstring's table."""
+    a, dev, sizes = check.args, check.args.device, check.sizes
+
+    def has_model() -> str | None:
+        return "--skip-bench" if a.skip_bench else (None if "model" in check.bench else "bench_model did not run")
+
+    def sdpa_graphs() -> str | None:
+        if dev != "cuda":
+            return f"needs CUDA (running on {dev})"
+        return has_model() or (None if flash.kernel() is None else "flash-attn is importable: the bench replays graphs")
+
+    def exact(fn):
+        return lambda: fn(a.model, check.prompts, dev, sizes["max_new"])
+    out = [Step("sdpa_backends", lambda: sdpa_backends(check.device)),
+           Step("fp32_graphs_vs_eager", exact(fp32_graphs_vs_eager)),
+           Step("bf16_speculative_vs_ar", exact(bf16_speculative_vs_ar)),
+           Step("bf16_flash_graphs_vs_eager", exact(bf16_flash_graphs_vs_eager),
+                lambda: flash.unavailable_reason(check.device, torch.bfloat16)),
+           Step("sync_debug", lambda: sync_debug(a.model, check.prompts, dev)),
+           Step("bench_model", check.bench_model, lambda: "--skip-bench" if a.skip_bench else None),
+           Step("bench_forward_profile", check.bench_forward_profile, has_model)]
+    out += [Step(f"bench_b{b}", lambda b=b: check.bench_batch(b), has_model) for b in sizes["batch_sizes"]]
+    out += [Step(f"bench_sdpa_graphs_b{b}", lambda b=b: check.bench_batch(b, graphs=True), sdpa_graphs) for b in (1, 8)]
+    return out + [Step("bench_plot", check.bench_plot,
+                       lambda: None if check.bench.get("report", {}).get("results") else "no bench results")]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu-check")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the smoke run at tiny sizes, CUDA-only parts recorded as skipped")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="wall clock for all steps; a step estimated to need more than is left is skipped")
     ap.add_argument("--model", default="models/tiny-orthrus-py")
     ap.add_argument("--prompts", default="examples/shards")
     ap.add_argument("--skip-bench", action="store_true")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **exactness(args.model, args.prompts)}
-    report["exactness_seconds"] = time.perf_counter() - start
-    print(json.dumps(report, indent=2), flush=True)
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
-    if not args.skip_bench:
-        bench.main(["--device", "cuda", "--no-job", "--reps", "3", "--out", str(out / "bench-cuda.json")])
-        if flash.kernel() is None:   # graphs are opt-in with SDPA: measure what they buy at small B
-            bench.main(["--device", "cuda", "--no-job", "--reps", "3", "--cuda-graphs", "--batch-sizes", "1,8",
-                        "--modes", "orthrus,ar", "--out", str(out / "bench-cuda-sdpa-graphs.json")])
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("jobs.gpu_check: no CUDA device here; pass --device cpu for the smoke run")
+    check = Check(args)
+    check.save()                 # the environment first, should the first step never return
+    for step in steps(check):
+        check.run(step)
+    check.report["finished"] = True
+    check.save()
+    statuses = {name: s["status"] for name, s in check.report["steps"].items()}
+    print(f"[gpu_check] wrote {check.out / 'gpu-check.json'} in {check.report['elapsed_s']:.0f} s: {statuses}",
+          flush=True)
 
 
 if __name__ == "__main__":

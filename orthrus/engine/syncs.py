@@ -27,6 +27,11 @@ HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__in
 _ACTIVE: list[Counter] = []   # the counters of the ``count_host_reads`` blocks now open
 
 
+def host_reads(counts: Counter) -> int:
+    """The device→host reads in a ``count_host_reads`` Counter (not its host→device copies)."""
+    return sum(counts[name] for name in HOST_READS)
+
+
 def note_transfer(kind: str = "h2d_async") -> None:
     """Count one host→device copy made on purpose (the staging buffers call this)."""
     for counts in _ACTIVE:
