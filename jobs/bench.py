@@ -4,6 +4,7 @@
     python -m jobs.bench --device cuda         # H200: bf16, Qwen3-1.7B-shaped random weights, K=32
     python -m jobs.bench --only scale          # the job around the engine at scale (jobs/bench_scale.py)
     python -m jobs.bench --only logprobs       # what per-token logprobs cost (jobs/bench_logprobs.py)
+    python -m jobs.bench --only vocab          # top-k / top-p at Qwen3's vocabulary (jobs/bench_vocab.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
@@ -59,9 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale", "logprobs"], default=None,
+    ap.add_argument("--only", choices=["scale", "logprobs", "vocab"], default=None,
                     help="run one section alone: 'scale' writes bench_scale.json next to --out, "
-                         "'logprobs' bench_logprobs.json (default batch sizes 1,16)")
+                         "'logprobs' bench_logprobs.json (default batch sizes 1,16), "
+                         "'vocab' bench_vocab.json (default batch sizes 1,8,32, one thread; its own reps "
+                         "and token counts: python -m jobs.bench_vocab --help)")
     return ap.parse_args(argv)
 
 
@@ -243,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.only == "scale":
         from jobs import bench_scale
         bench_scale.main(["--sizes", args.scale_sizes, "--out", str(Path(args.out).with_name("bench_scale.json"))])
+        return
+    if args.only == "vocab":
+        from jobs import bench_vocab
+        vocab_args = ["--out", str(Path(args.out).with_name("bench_vocab.json")), "--threads", str(args.threads or 1)]
+        bench_vocab.main(vocab_args + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
