@@ -47,10 +47,11 @@ PEAKED_LOGIT_STD = 6.0          # logits' spread in the peaked variant: a nucleu
 
 # ---------------------------------------------------------------- the implementation before #23
 
-def _full_sort_filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p on tempered logits ``[b, T, V]`` by sorting the whole vocabulary (before #23)."""
+def full_sort_filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, stable: bool = False) -> torch.Tensor:
+    """Top-k then top-p on tempered logits ``[b, T, V]`` by sorting the whole vocabulary (before #23;
+    ``stable`` orders ties by token id, the rule kept since)."""
     b, t, v = x.shape
-    sorted_x, order = x.sort(dim=-1, descending=True)
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=stable)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).clamp(max=v)
     kth = sorted_x.gather(-1, (k - 1)[:, None, None].expand(b, t, 1))
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
@@ -62,7 +63,7 @@ def _full_sort_filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return x.masked_fill(drop, float("-inf"))
 
 
-def full_sort_process(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def full_sort_process(logits: torch.Tensor, st: SamplingTensors, stable: bool = False) -> torch.Tensor:
     """``sampling.process`` as it was before #23."""
     x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if st.all_greedy:
@@ -71,7 +72,7 @@ def full_sort_process(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature).to(x.dtype)
     x = x / temp[:, None, None]
     if st.filtered:
-        x = _full_sort_filter(x, st.top_k, st.top_p)
+        x = full_sort_filter(x, st.top_k, st.top_p, stable)
     return torch.where(st.greedy[:, None, None], onehot, x.softmax(-1))
 
 

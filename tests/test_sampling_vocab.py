@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from jobs.bench_vocab import full_sort_filter, full_sort_process
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
@@ -27,30 +29,8 @@ from orthrus.sampling import SamplingTensors, process
 QWEN3_VOCAB = 151_936
 
 
-def old_filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, stable: bool = False) -> torch.Tensor:
-    """The previous ``sampling._filter``, verbatim but for the ``stable`` switch."""
-    b, t, v = x.shape
-    sorted_x, order = x.sort(dim=-1, descending=True, stable=stable)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).clamp(max=v)
-    kth = sorted_x.gather(-1, (k - 1)[:, None, None].expand(b, t, 1))
-    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    sp = sorted_x.softmax(-1)
-    mass_before = sp.cumsum(-1) - sp
-    drop_sorted = mass_before >= top_p[:, None, None].to(sp.dtype)
-    drop_sorted |= sorted_x == float("-inf")
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return x.masked_fill(drop, float("-inf"))
-
-
-def old_process(logits: torch.Tensor, st: SamplingTensors, stable: bool = False) -> torch.Tensor:
-    """The previous ``sampling.process``, verbatim but for the ``stable`` switch."""
-    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    onehot = torch.zeros_like(x).scatter(-1, x.argmax(-1, keepdim=True), 1.0)
-    temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature).to(x.dtype)
-    x = x / temp[:, None, None]
-    if st.filtered:
-        x = old_filter(x, st.top_k, st.top_p, stable)
-    return torch.where(st.greedy[:, None, None], onehot, x.softmax(-1))
+# The full-sort implementation as it was (the benchmark's baseline too).
+old_filter, old_process = full_sort_filter, full_sort_process
 
 
 def hf_process(logits: torch.Tensor, temps: list[float], ks: list[int], ps: list[float]) -> torch.Tensor:
