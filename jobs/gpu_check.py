@@ -34,25 +34,18 @@ TFLOP, ~60 ms. Random weights accept ~no drafts (a 64-token row = 64 cycles); an
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
-import threading
-import time
-import traceback
 import warnings
-from collections.abc import Callable
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import transformers
 from transformers import AutoTokenizer
 
 from jobs import bench
+from jobs.gpu_budget import Budget, Step, guard, write_json
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.engine.syncs import count_host_reads
@@ -144,14 +137,6 @@ def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, ma
             **bf16_flash_graphs_vs_eager(model_dir, prompts, device, max_new)}
 
 
-def _guard(fn: Callable[[], object]) -> object:
-    """``fn()``, or its error as a string: an API missing from this torch must not end the check."""
-    try:
-        return fn()
-    except Exception as err:
-        return f"error: {type(err).__name__}: {err}"
-
-
 def _sdpa_choice(device: torch.device, dtype: torch.dtype, b: int, t: int, keys: int) -> dict:
     """The backend ``torch._fused_sdp_choice`` picks for one engine-shaped call, and why flash and
     memory-efficient attention can or cannot take it (their debug warnings)."""
@@ -173,12 +158,12 @@ def _sdpa_choice(device: torch.device, dtype: torch.dtype, b: int, t: int, keys:
 def sdpa_backends(device: torch.device) -> dict:
     """Which SDPA backends are on, in what order, and which one the engine's shapes get."""
     cuda = torch.backends.cuda
-    info = {name: _guard(lambda name=name: getattr(cuda, name)())
+    info = {name: guard(lambda name=name: getattr(cuda, name)())
             for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled")}
-    info["priority_order"] = _guard(lambda: [torch.nn.attention.SDPBackend(int(b)).name
+    info["priority_order"] = guard(lambda: [torch.nn.attention.SDPBackend(int(b)).name
                                              for b in torch._C._get_sdp_priority_order()])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    info["engine_shapes"] = {name: _guard(lambda s=shape: _sdpa_choice(device, dtype, *s))
+    info["engine_shapes"] = {name: guard(lambda s=shape: _sdpa_choice(device, dtype, *s))
                              for name, shape in SDPA_SHAPES.items()}
     return info
 
@@ -223,92 +208,17 @@ def sync_debug(model_dir: str, prompts, device: str) -> dict:
     return report
 
 
-class BudgetExhausted(BaseException):
-    """Raised by the timer inside a step that outran the budget. A BaseException, so that the
-    engine's ``except Exception`` (which resets it and re-raises as EngineStepError) lets it through."""
-
-
-def _fire(signum, frame) -> None:
-    raise BudgetExhausted()
-
-
-@contextmanager
-def _deadline(seconds: float):
-    """Interrupt the block after ``seconds`` (main thread, POSIX; elsewhere no timer)."""
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGALRM, _fire)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-class Step(NamedTuple):
-    name: str
-    run: Callable[[], dict]
-    why_not: Callable[[], str | None] = lambda: None     # a reason it cannot run here, or None
-
-    @property
-    def estimate_s(self) -> float:
-        return ESTIMATE_S.get(self.name, 30)     # the CPU smoke run's bench_b2 has no H200 figure
-
-
-class Check:
-    """Runs the steps under one wall-clock budget and keeps ``gpu-check.json`` current."""
+class Check(Budget):
+    """The GPU check's steps under one wall-clock budget, keeping ``gpu-check.json`` current."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.device = args, torch.device(args.device)
         self.sizes = SIZES[self.device.type]
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.start, self.exhausted = time.monotonic(), False
-        self.report = {**_environment(self.device), "budget_s": args.budget_s, "finished": False, "steps": {}}
+        report = {**_environment(self.device), "budget_s": args.budget_s, "finished": False, "steps": {}}
+        super().__init__(args.budget_s, ESTIMATE_S, self.out / "gpu-check.json", report)
         self.bench: dict = {}      # the bench steps' shared model, prompts and partial reports
-
-    def left(self) -> float:
-        return self.args.budget_s - (time.monotonic() - self.start)
-
-    def save(self) -> None:
-        self.report["elapsed_s"] = round(time.monotonic() - self.start, 2)
-        _write_json(self.out / "gpu-check.json", self.report)
-
-    def _skip_reason(self, step: Step) -> str | None:
-        if self.exhausted:
-            return "the budget ran out during an earlier step"
-        why_not = _guard(step.why_not)
-        if why_not:
-            return str(why_not)
-        if self.left() < step.estimate_s:
-            return f"{max(self.left(), 0):.0f} s of the budget left; the step is estimated at {step.estimate_s:g} s"
-        return None
-
-    def run(self, step: Step) -> None:
-        entry: dict = {"estimate_s": step.estimate_s}
-        reason = self._skip_reason(step)
-        if reason:
-            entry.update(status="skipped", reason=reason)
-        else:
-            print(f"[gpu_check] {step.name}: running ({self.left():.0f} s left)", flush=True)
-            t = time.monotonic()
-            try:
-                with _deadline(self.left()):
-                    result = step.run()
-                entry.update(status="ok", result=result)
-            except BudgetExhausted:
-                self.exhausted = True
-                entry.update(status="interrupted", reason="the budget ran out during this step")
-            except Exception as err:       # recorded (a graph capture that raises, too); the next step runs
-                entry.update(status="error", error=f"{type(err).__name__}: {err}"[:2000],
-                             traceback=traceback.format_exc()[-4000:])
-            entry["seconds"] = round(time.monotonic() - t, 2)
-        self.report["steps"][step.name] = entry
-        self.save()
-        print(f"[gpu_check] {step.name}: {entry['status']} {entry.get('seconds', '')} {entry.get('reason', '')}"
-              f"{entry.get('error', '')}", flush=True)
 
     @cached_property
     def prompts(self) -> list[list[int]]:
@@ -362,7 +272,7 @@ class Check:
         dev = self.device.type
         for key, name in (("report", f"bench-{dev}.json"), ("graphs_report", f"bench-{dev}-sdpa-graphs.json")):
             if self.bench[key].get("results") or self.bench[key].get("forward_ms"):
-                _write_json(self.out / name, {**self.bench[key], **_cuda_mib()})
+                write_json(self.out / name, {**self.bench[key], **_cuda_mib()})
 
 
 def _cuda_mib() -> dict:
@@ -371,18 +281,11 @@ def _cuda_mib() -> dict:
 
 def _environment(device: torch.device) -> dict:
     cuda = device.type == "cuda"
-    gib = _guard(lambda: torch.cuda.get_device_properties(device).total_memory / 2 ** 30) if cuda else None
-    return {"device": _guard(lambda: torch.cuda.get_device_name(device)) if cuda else "cpu", "memory_gib": gib,
+    gib = guard(lambda: torch.cuda.get_device_properties(device).total_memory / 2 ** 30) if cuda else None
+    return {"device": guard(lambda: torch.cuda.get_device_name(device)) if cuda else "cpu", "memory_gib": gib,
             "torch": torch.__version__, "transformers": transformers.__version__, "cuda_runtime": torch.version.cuda,
             "python": sys.version.split()[0], "sizes": SIZES[device.type],
             "flash_attn": flash.unavailable_reason(device, torch.bfloat16) or "importable"}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Temp file + rename: a reader (or a run killed mid-write) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def steps(check: Check) -> list[Step]:
