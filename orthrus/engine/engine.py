@@ -13,7 +13,6 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-import warnings
 from collections import deque
 from collections.abc import Sequence
 
@@ -81,7 +80,8 @@ class OrthrusEngine:
         attn = model.model.layers[0].self_attn
         self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
                                    self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
-        self.cache.flash_kernel = self._flash_kernel(attention, param.dtype, attn)
+        self.cache.flash_kernel = flash.choose(attention, self.device, param.dtype, attn.num_heads,
+                                               attn.num_kv_heads, attn.head_dim)
         self.attention = "sdpa" if self.cache.flash_kernel is None else "flash"
         # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans (cuDNN)
         # are built per shape, and the exact length changes almost every iteration. On a CPU the
@@ -114,21 +114,6 @@ class OrthrusEngine:
         self.admitting_steps = 0     # steps that seated waiting requests (one host→device copy each)
         self._added = 0              # requests added so far (each one's row index for the proposer)
         self.busy_slot_iterations = 0   # sum over iterations of occupied slots (occupancy = this / iterations / B)
-
-    def _flash_kernel(self, attention: str, dtype: torch.dtype, attn) -> flash.KVCacheKernel | None:
-        why_not = flash.unavailable_reason(self.device, dtype)
-        if attention == "flash" and why_not:
-            raise ValueError(f"attention='flash' is unavailable: {why_not}")
-        fn = flash.kernel() if attention != "sdpa" and not why_not else None
-        if fn is not None and attention == "auto":
-            # A package that imports but cannot run here (a stub, a build for another GPU) would
-            # fail at the first forward: one tiny call decides, and 'auto' falls back to SDPA.
-            failure = flash.probe(fn, self.device, dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            if failure is not None:
-                warnings.warn(f"attention='auto': flash_attn is importable but failed a probe call ({failure}); "
-                              "using SDPA", stacklevel=3)
-                return None
-        return fn
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""

@@ -21,6 +21,7 @@ both without a copy.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -64,6 +65,27 @@ def kvcache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
              cache_seqlens=starts, cache_batch_idx=slots,                 # int32, made once per forward
              softmax_scale=scale, causal=causal)
     return out.transpose(1, 2)                                      # [b, H, T, D]
+
+
+def choose(attention: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+           head_dim: int) -> KVCacheKernel | None:
+    """The kernel an engine with ``attention`` ("auto" | "sdpa" | "flash") uses, or None for SDPA.
+
+    'flash' where it cannot run raises ``ValueError``. 'auto' takes flash only after one probe call
+    succeeds: a package that imports but cannot run here (a stub, a build for another GPU) would
+    otherwise fail at the first forward; it falls back to SDPA with a warning instead.
+    """
+    why_not = unavailable_reason(device, dtype)
+    if attention == "flash" and why_not:
+        raise ValueError(f"attention='flash' is unavailable: {why_not}")
+    fn = kernel() if attention != "sdpa" and not why_not else None
+    if fn is not None and attention == "auto":
+        failure = probe(fn, device, dtype, heads, kv_heads, head_dim)
+        if failure is not None:
+            warnings.warn(f"attention='auto': flash_attn is importable but failed a probe call ({failure}); "
+                          "using SDPA", stacklevel=3)
+            return None
+    return fn
 
 
 def probe(fn: KVCacheKernel, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

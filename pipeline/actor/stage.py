@@ -180,7 +180,7 @@ class GenerationStage:
                 if isinstance(results[i], RequestOutput) and r is not None and r.finish_reason != "abort":
                     audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
-        table = self._assemble(batch, results, errors, audits, (started, seconds),
+        table = self._assemble(batch, results, errors, params, audits, (started, seconds),
                                (arrival, self.loop.occupancy()))
         table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
         end = self.loop.occupancy()
@@ -223,11 +223,11 @@ class GenerationStage:
             ids.pop()
         return ids
 
-    def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], audits: dict[int, int | None],
-                  call_time: tuple[float, float], occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
+    def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], params: list,
+                  audits: dict[int, int | None], call_time: tuple[float, float],
+                  occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
         """The batch's rows with the generation columns (the processor's contract, ``schema.GENERATED``)."""
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
-        params = [r[1] if r else None for r in from_arrow(batch[REQUEST])]
         started, call_seconds = call_time
         n = batch.num_rows
         cols = {**_result_columns(ok, errors),
