@@ -5,6 +5,8 @@
     python -m jobs.bench --only scale          # the job around the engine at scale (jobs/bench_scale.py)
     python -m jobs.bench --only logprobs       # what per-token logprobs cost (jobs/bench_logprobs.py)
     python -m jobs.bench --only vocab          # top-k / top-p at Qwen3's vocabulary (jobs/bench_vocab.py)
+    python -m jobs.bench --only prefix         # prefix cache and short outputs (jobs/bench_prefix.py)
+    python -m jobs.bench --only ab             # the engine at HEAD vs the working tree's (jobs/bench_ab.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
@@ -29,7 +31,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from jobs import bench_logprobs
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
-from orthrus.model.attention import BlockBatch
+from orthrus.model.backends import BlockBatch
 from orthrus.engine.syncs import count_host_reads, host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
@@ -60,11 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale", "logprobs", "vocab"], default=None,
+    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab"], default=None,
                     help="run one section alone: 'scale' writes bench_scale.json next to --out, "
                          "'logprobs' bench_logprobs.json (default batch sizes 1,16), "
                          "'vocab' bench_vocab.json (default batch sizes 1,8,32, one thread; its own reps "
-                         "and token counts: python -m jobs.bench_vocab --help)")
+                         "and token counts: python -m jobs.bench_vocab --help), 'prefix' bench_prefix.json "
+                         "(python -m jobs.bench_prefix --help; --no-job skips its Ray job part), 'ab' "
+                         "bench_ab.json (the engine at HEAD vs the working tree's: python -m jobs.bench_ab --help)")
     return ap.parse_args(argv)
 
 
@@ -79,10 +83,10 @@ class ForwardTimer:
         self.model, self.inner, self.enabled = model, model.forward_cached, enabled
         self.seconds = {"draft": 0.0, "verify": 0.0}
 
-        def timed(ids, cache, batch, diffusion):
+        def timed(ids, cache, batch, diffusion, backend):
             self.sync()
             t = time.perf_counter()
-            out = self.inner(ids, cache, batch, diffusion)
+            out = self.inner(ids, cache, batch, diffusion, backend)
             self.sync()
             self.seconds["draft" if diffusion else "verify"] += time.perf_counter() - t
             return out
@@ -218,13 +222,14 @@ def forward_profile(model: OrthrusForCausalLM, sizes: list[int], prefix: int = 2
         row: dict[str, float] = {}
         for t in tokens:
             pos = prefix + torch.arange(t, device=dev)[None].expand(b, t)
-            batch, ids = BlockBatch(None, pos, pos + 1, prefix + t), torch.zeros((b, t), dtype=torch.long, device=dev)
+            batch, ids = BlockBatch(None, pos, prefix + t), torch.zeros((b, t), dtype=torch.long, device=dev)
             times = []
             with torch.inference_mode():
                 for _ in range(reps + 1):
                     sync()
                     start = time.perf_counter()
-                    model.logits(model.forward_cached(ids, engine.cache, batch, diffusion=False))
+                    model.logits(model.forward_cached(ids, engine.cache, batch, diffusion=False,
+                                                      backend=engine.backend))
                     sync()
                     times.append(time.perf_counter() - start)
             row[str(t)] = 1000 * statistics.median(times[1:])
@@ -251,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         from jobs import bench_vocab
         vocab_args = ["--out", str(Path(args.out).with_name("bench_vocab.json")), "--threads", str(args.threads or 1)]
         bench_vocab.main(vocab_args + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []))
+        return
+    if args.only in ("prefix", "ab"):
+        only_prefix_or_ab(args)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -279,6 +287,20 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).write_text(json.dumps(report, indent=2))
     plot(report, str(Path(args.out).with_suffix(".png")))
     print(f"wrote {args.out} and its plot")
+
+
+def only_prefix_or_ab(args) -> None:
+    """``--only prefix`` / ``--only ab``: their own modules, one thread unless --threads says otherwise."""
+    common = ["--model", args.model, "--prompts", args.prompts, "--threads", str(args.threads or 1)]
+    if args.only == "prefix":
+        from jobs import bench_prefix
+        extra = ["--job-config", args.job_config] + ([] if args.job else ["--no-job"])
+        bench_prefix.main(common + extra + ["--out", str(Path(args.out).with_name("bench_prefix.json"))])
+    else:
+        from jobs import bench_ab
+        extra = ["--batch-sizes", args.batch_sizes] if args.batch_sizes else []
+        bench_ab.main(common + extra + ["--max-new-tokens", str(args.max_new_tokens), "--min-rows", str(args.min_rows),
+                                        "--out", str(Path(args.out).with_name("bench_ab.json"))])
 
 
 def job_sections(report: dict, args, model: OrthrusForCausalLM, prompts) -> None:

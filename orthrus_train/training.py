@@ -3,6 +3,7 @@
 Shape legend
     b   sequences            T   tokens per (packed) sequence       A   anchors per sequence
     K   block size           N = A*K block tokens                   V   vocabulary
+    H   query heads          Hk  key/value heads                    D   head dim      E   hidden size
 
 One frozen AR pass over the clean sequence gives every layer's K/V (exactly what the inference
 cache would hold) and the teacher's next-token distributions. Each anchor ``a`` makes a block
@@ -10,6 +11,10 @@ cache would hold) and the teacher's next-token distributions. Each anchor ``a`` 
 AR keys strictly before its anchor (at inference the anchor is in the block, not in the cache) and
 every key of its own block, never another block (DESIGN §2.4). Block row ``i`` learns the teacher's
 distribution for position ``a+i+1``. Only the ``*_diff`` twins receive gradients.
+
+Both passes run the model's one layer loop (``OrthrusModel.forward``); they differ only in their
+``attend`` (``orthrus.model.backends.Attend``): causal SDPA that records each layer's K/V, and the
+dual-pass mask over ``[AR K/V ; block K/V]``.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from orthrus.model.backends import Attend, DenseSDPA
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
 
@@ -82,9 +88,12 @@ def _flex():
 
 
 class DualPassAttention:
-    """Attention of block queries over ``[AR K/V ; block K/V]``: dense mask on CPU, FlexAttention on GPU."""
+    """The student pass's ``Attend`` (``orthrus.model.backends``): block queries over ``[AR K/V ;
+    block K/V]`` of the same layer. Dense mask on CPU, FlexAttention on GPU."""
 
-    def __init__(self, anchors: torch.Tensor, seq_len: int, block_size: int, use_flex: bool | None = None) -> None:
+    def __init__(self, anchors: torch.Tensor, seq_len: int, block_size: int,
+                 ar_kv: list[tuple[torch.Tensor, torch.Tensor]], use_flex: bool | None = None) -> None:
+        self.ar_kv = ar_kv                       # per layer (K, V) [b, Hk, T, D] of the teacher pass
         self.use_flex = _flex_available(anchors.device) if use_flex is None else use_flex
         b, a = anchors.shape
         n = a * block_size
@@ -98,30 +107,38 @@ class DualPassAttention:
         else:
             self.mask = dual_pass_mask(anchors, seq_len, block_size)[:, None]       # [b, 1, N, T+N]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``q [b, H, N, D]``, ``k, v [b, Hk, T+N, D]`` → ``[b, H, N, D]``."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """``q [b, H, N, D]``, block ``k, v [b, Hk, N, D]`` → ``[b, H, N, D]``."""
+        k_ar, v_ar = self.ar_kv[layer_idx]
+        k, v = torch.cat([k_ar, k], 2), torch.cat([v_ar, v], 2)                      # [b, Hk, T+N, D]
         gqa = q.shape[1] != k.shape[1]
         if self.use_flex:
             return _flex()(q, k, v, block_mask=self.mask, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
 
 
+class RecordingAttend:
+    """An ``Attend`` that keeps every layer's (K, V) ``[b, Hk, T, D]`` on its way to ``inner``."""
+
+    def __init__(self, inner: Attend) -> None:
+        self.inner = inner
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        self.kv.append((k, v))      # layers run in order, so kv[i] is layer i's
+        return self.inner(layer_idx, q, k, v, scale)
+
+
 @torch.no_grad()
 def teacher_pass(model: OrthrusForCausalLM, tokens: torch.Tensor
                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Frozen AR pass → per-layer (K, V) ``[b, Hk, T, D]`` and teacher logits ``[b, T, V]``."""
-    h = model.model.embed_tokens(tokens)
     positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-    cos, sin = model.model.rotary_emb(h, positions)
-    kv = []
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(h), cos, sin, diffusion=False)
-        kv.append((k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale,
-                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
-        h = layer._mlp(h + attn.output(out, diffusion=False))
-    return kv, model.logits(model.model.norm(h))
+    attend = RecordingAttend(DenseSDPA())                                          # causal
+    hidden = model.model(tokens, positions, attend, diffusion=False)               # [b, T, E]
+    return attend.kv, model.logits(hidden)
 
 
 def student_pass(model: OrthrusForCausalLM, tokens: torch.Tensor, anchors: torch.Tensor,
@@ -129,16 +146,10 @@ def student_pass(model: OrthrusForCausalLM, tokens: torch.Tensor, anchors: torch
                  use_flex: bool | None = None) -> torch.Tensor:
     """Diffusion-view forward of every anchor's block → logits ``[b, A, K-1, V]``."""
     b, a = anchors.shape
-    ids, positions = block_inputs(tokens, anchors, block_size, model.mask_token_id)
-    attend = DualPassAttention(anchors, tokens.shape[1], block_size, use_flex)
-    h = model.model.embed_tokens(ids)                                               # [b, N, E]
-    cos, sin = model.model.rotary_emb(h, positions)
-    for layer, (k_ar, v_ar) in zip(model.model.layers, ar_kv):
-        attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(h), cos, sin, diffusion=True)
-        out = attend(q, torch.cat([k_ar, k], 2), torch.cat([v_ar, v], 2), attn.scale)
-        h = layer._mlp(h + attn.output(out, diffusion=True))
-    h = model.model.norm(h).view(b, a, block_size, -1)[:, :, : block_size - 1]
+    ids, positions = block_inputs(tokens, anchors, block_size, model.mask_token_id)  # [b, N]
+    attend = DualPassAttention(anchors, tokens.shape[1], block_size, ar_kv, use_flex)
+    h = model.model(ids, positions, attend, diffusion=True)                         # [b, N, E]
+    h = h.view(b, a, block_size, -1)[:, :, : block_size - 1]
     return model.logits(h)                                                          # [b, A, K-1, V]
 
 

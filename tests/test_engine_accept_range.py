@@ -20,7 +20,7 @@ class ReplayProposer:
         self.vocab = vocab
         self.planned: list[tuple[int, int, int]] = []   # (row, position, L)
 
-    def propose(self, anchor, batch, cache, rows):
+    def propose(self, anchor, batch, cache, rows, backend):
         b, k = batch.positions.shape
         logits = torch.zeros(b, k - 1, self.vocab, dtype=torch.float64)
         for i in range(b):   # test-only code: per-row Python is fine here

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.model.attention import ragged_attention
+from orthrus.model.backends import ragged_attention, visible_keys
 from orthrus.model.cache import RaggedKVCache
 from tiny_models import tiny_model
 
@@ -55,7 +55,8 @@ def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
     pos = cache.lengths[:, None] + torch.arange(k)[None]
     cache.write(0, slots, pos, block[0], block[1])
     kv_len = int(pos.max()) + 1
-    got = ragged_attention(q, *cache.read(0, None, kv_len), key_limit=pos + 1, scale=d ** -0.5)
+    visible = visible_keys(pos, True, kv_len)                 # [b, 1, K, L] causal
+    got = ragged_attention(q, *cache.read(0, None, kv_len), mask=visible, scale=d ** -0.5)
     for i in range(b):
         ks = torch.stack([t[0] for t in truth[i]], 1)         # [Hk, n, D]
         vs = torch.stack([t[1] for t in truth[i]], 1)
@@ -68,5 +69,5 @@ def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
         torch.testing.assert_close(got[i:i + 1], want)
     # the same through a subset read (slot gather path)
     sub = torch.tensor([2, 0])
-    got_sub = ragged_attention(q[sub], *cache.read(0, sub, kv_len), key_limit=(pos + 1)[sub], scale=d ** -0.5)
+    got_sub = ragged_attention(q[sub], *cache.read(0, sub, kv_len), mask=visible[sub], scale=d ** -0.5)
     torch.testing.assert_close(got_sub, got[sub])

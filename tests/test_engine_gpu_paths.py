@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.model import attention, flash
+from orthrus.model import backends, flash
 from test_engine_static import PROMPTS, reference_flash_attn_with_kvcache
 from tiny_models import tiny_model
 
@@ -32,7 +32,7 @@ def _tokens(model, key_bucket: int, speculative, monkeypatch=None) -> tuple[list
 
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=False, key_bucket=key_bucket)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention.F, "scaled_dot_product_attention", recording)
+        mp.setattr(backends.F, "scaled_dot_product_attention", recording)
         out = engine.generate(PROMPTS, PARAMS, speculative=speculative)
     return [r.token_ids for r in out], lengths
 
@@ -52,18 +52,18 @@ def test_rounded_key_lengths_change_no_token(model, speculative):
 def test_masks_and_indices_are_made_once_per_forward(model, monkeypatch):
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=False)
     prepared, masks = [], []
-    real_prepare, real_attention = attention.BlockBatch.prepare, attention.ragged_attention
+    real_prepare, real_attention = backends.RaggedSDPA.prepare, backends.ragged_attention
 
     def counting_prepare(self, *args, **kwargs):
         prepared.append(1)
         return real_prepare(self, *args, **kwargs)
 
-    def checking_attention(q, k, v, key_limit, scale, mask=None):
+    def checking_attention(q, k, v, mask, scale):
         masks.append(mask is not None)
-        return real_attention(q, k, v, key_limit, scale, mask)
+        return real_attention(q, k, v, mask, scale)
 
-    monkeypatch.setattr(attention.BlockBatch, "prepare", counting_prepare)
-    monkeypatch.setattr(attention, "ragged_attention", checking_attention)
+    monkeypatch.setattr(backends.RaggedSDPA, "prepare", counting_prepare)
+    monkeypatch.setattr(backends, "ragged_attention", checking_attention)
     engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6))
     layers = len(model.model.layers)
     assert all(masks) and len(masks) == layers * len(prepared)   # every layer reuses its forward's mask

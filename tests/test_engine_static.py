@@ -4,8 +4,8 @@
    the whole cache — which is what ``graphs.py`` captures as CUDA graphs: not one token changes.
 2. The FlashAttention KV-cache calling convention (layout views, int32 lengths, slot indices,
    bottom-right causal alignment, in-place append): ``flash_attn_with_kvcache`` cannot run here, so
-   its documented semantics are written out below in plain torch and plugged in as the cache's
-   kernel; the engine must give exactly the SDPA path's tokens through it.
+   its documented semantics are written out below in plain torch and plugged in as the engine's
+   backend's kernel; the engine must give exactly the SDPA path's tokens through it.
 3. Capturability: the static iteration traces as ONE graph with no breaks (a ``.item()``, a
    data-dependent shape or Python branching on a tensor would break it, and would break capture).
 """
@@ -16,6 +16,7 @@ import torch
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.engine.graphs import bucket, pad_slots
+from orthrus.model.backends import FlashKVCache
 from tiny_models import tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
@@ -61,7 +62,7 @@ def model():
 def _run(model, params, speculative, static: bool, flash: bool, slots: int = 5):
     engine = OrthrusEngine(model, max_batch_size=slots, static_shapes=static, attention="sdpa")
     if flash:
-        engine.cache.flash_kernel = reference_flash_attn_with_kvcache
+        engine.backend = FlashKVCache(reference_flash_attn_with_kvcache)
     return [(r.token_ids, r.finish_reason, r.stats.accept_length_histogram, r.stats.num_ar_steps)
             for r in engine.generate(PROMPTS, params, speculative=speculative)]
 

@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from orthrus.model.attention import BlockBatch
+from orthrus.model.backends import BlockBatch, RaggedSDPA
 from orthrus.model.cache import RaggedKVCache
 from orthrus.engine.proposer import DiffusionProposer
 from orthrus_train.training import (distill_loss, dual_pass_mask, freeze_all_but_diffusion, sample_anchors,
@@ -48,10 +48,11 @@ def test_training_blocks_equal_inference_drafts():
         slots = torch.tensor([0])
         if a > 0:
             pos = torch.arange(a)[None]
-            model.forward_cached(tokens[:, :a], cache, BlockBatch(slots, pos, pos + 1, a), diffusion=False)
+            model.forward_cached(tokens[:, :a], cache, BlockBatch(slots, pos, a), diffusion=False,
+                                 backend=RaggedSDPA())
         pos = a + torch.arange(k)[None]
-        view = BlockBatch(slots, pos, torch.full((1, k), a + k), a + k)
-        infer = proposer.propose(tokens[:, a], view, cache, slots)[0]
+        view = BlockBatch(slots, pos, a + k, causal=False)
+        infer = proposer.propose(tokens[:, a], view, cache, slots, RaggedSDPA())[0]
         torch.testing.assert_close(train_logits[i], infer)
 
 

@@ -6,16 +6,15 @@ of the packed result these functions return (its layout: ``packed.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from orthrus import rng
 from orthrus.engine import logprobs
-from orthrus.model.attention import BlockBatch
+from orthrus.model.backends import AttentionBackend, BlockBatch
 from orthrus.model.cache import RaggedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 from orthrus.engine.packed import pack
+from orthrus.engine.prefill import PrefillBatch, prompt_states
 from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason
 from orthrus.params import MAX_LOGPROBS
@@ -90,53 +89,12 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
     return first_end + 1, reason
 
 
-@dataclass(frozen=True)
-class PrefillBatch:
-    """Rows admitted in one step, on the device (host-built by ``scheduler.prefill_batch``).
-
-    ``slots [b]`` are the admitted slots, ``row_lens [b]`` their prompt lengths. Distinct prompts
-    not held by any running slot are computed once: ``prompts [u, T]`` (right-padded, lengths
-    ``lens [u]``) into slots ``owners [u]``, whose K/V and prompt hidden state are then copied from
-    ``copy_from`` to ``copy_to`` (other admitted slots with the same prompt). A prompt a running slot
-    already holds is not computed at all: ``donor_from`` → ``donor_to`` copies its first
-    ``donor_len`` cache positions and its prompt hidden state before the forward.
-    """
-
-    slots: torch.Tensor
-    row_lens: torch.Tensor
-    prompts: torch.Tensor
-    lens: torch.Tensor
-    owners: torch.Tensor
-    copy_from: torch.Tensor
-    copy_to: torch.Tensor
-    donor_from: torch.Tensor
-    donor_to: torch.Tensor
-    donor_len: int
-
-
-def _prompt_states(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, pb: PrefillBatch) -> None:
-    """K/V and the last hidden state of every admitted slot's prompt: copied from a running slot
-    that holds it, or computed once per distinct prompt (then copied to its duplicates)."""
-    if pb.donor_to.numel():
-        cache.copy_prefix(pb.donor_from, pb.donor_to, pb.donor_len)
-        st.prompt_hidden[pb.donor_to] = st.prompt_hidden[pb.donor_from]
-    u, t = pb.prompts.shape
-    if u == 0:
-        return
-    pos = torch.arange(t, device=pb.prompts.device)[None, :].expand(u, t)    # [u, T]
-    batch = BlockBatch(slots=pb.owners, positions=pos, key_limit=pos + 1, kv_len=t)
-    hidden = model.forward_cached(pb.prompts, cache, batch, diffusion=False)  # [u, T, E]
-    st.prompt_hidden[pb.owners] = hidden[torch.arange(u, device=hidden.device), pb.lens - 1]
-    if pb.copy_to.numel():
-        cache.copy_prefix(pb.copy_from, pb.copy_to, t)
-        st.prompt_hidden[pb.copy_to] = st.prompt_hidden[pb.copy_from]
-
-
-def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, pb: PrefillBatch,
-            filtered: bool, all_greedy: bool, max_seq_len: int, lp_width: int | None = None) -> None:
+def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, st: SlotState,
+            pb: PrefillBatch, filtered: bool, all_greedy: bool, max_seq_len: int,
+            lp_width: int | None = None) -> None:
     """Prefill the admitted slots (each distinct prompt at most once) and sample every row's first
     anchor from its own seed; with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""
-    _prompt_states(model, cache, st, pb)
+    prompt_states(model, cache, backend, st.prompt_hidden, pb.stages)
     slots, row_lens = pb.slots, pb.row_lens
     logits = model.logits(st.prompt_hidden[slots])[:, None]                 # [b, 1, V]
     probs = process(logits, st.sampling(slots, filtered, all_greedy))
@@ -188,30 +146,30 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
 
 
 def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: RaggedKVCache,
-                      st: SlotState, slots: torch.Tensor, all_slots: bool, kv_len: int, k: int,
-                      filtered: bool, all_greedy: bool, max_seq_len: int, lp_width: int | None = None
-                      ) -> torch.Tensor:
+                      backend: AttentionBackend, st: SlotState, slots: torch.Tensor, all_slots: bool,
+                      kv_len: int, k: int, filtered: bool, all_greedy: bool, max_seq_len: int,
+                      lp_width: int | None = None) -> torch.Tensor:
     """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``; with
     ``lp_width`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits."""
-    b = slots.shape[0]
     n = _write_offsets(cache, st, slots)                                      # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
     view_slots = None if all_slots else slots
-    draft_view = BlockBatch(view_slots, pos, (n + k)[:, None].expand(b, k), kv_len, causal=False)
+    draft_view = BlockBatch(view_slots, pos, kv_len, causal=False)
     sp = st.sampling(slots, filtered, all_greedy)
     seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
-    q_logits = proposer.propose(anchor, draft_view, cache, st.row[slots])          # [b, K-1, V]
-    verify_view = BlockBatch(view_slots, pos, pos + 1, kv_len)
+    q_logits = proposer.propose(anchor, draft_view, cache, st.row[slots], backend)   # [b, K-1, V]
+    verify_view = BlockBatch(view_slots, pos, kv_len)
     if all_greedy:
         drafts = q_logits.argmax(-1)                                                # [b, K-1]
         p_logits = model.logits(model.forward_cached(torch.cat([anchor[:, None], drafts], 1), cache,
-                                                     verify_view, diffusion=False))
+                                                     verify_view, diffusion=False, backend=backend))
         drafts, n_acc, nxt = greedy_accept(p_logits, q_logits)
     else:
         q = process(q_logits, sp)
         drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
         block = torch.cat([anchor[:, None], drafts], 1)                             # [b, K]
-        p_logits = model.logits(model.forward_cached(block, cache, verify_view, diffusion=False))  # [b, K, V]
+        hidden = model.forward_cached(block, cache, verify_view, diffusion=False, backend=backend)
+        p_logits = model.logits(hidden)                                             # [b, K, V]
         p = process(p_logits, sp)
         n_acc, nxt = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
                             rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
@@ -221,14 +179,14 @@ def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: Ragg
     return _commit(st, cache, slots, emitted, n_acc, nxt, max_seq_len, lp)
 
 
-def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, st: SlotState, slots: torch.Tensor,
-            all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool, max_seq_len: int,
-            lp_width: int | None = None) -> torch.Tensor:
+def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, st: SlotState,
+            slots: torch.Tensor, all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool,
+            max_seq_len: int, lp_width: int | None = None) -> torch.Tensor:
     """One plain AR step (our baseline) on the same cache and bookkeeping (logprobs as in a cycle)."""
     n = _write_offsets(cache, st, slots)
     pos = n[:, None]                                                          # [b, 1]
-    view = BlockBatch(None if all_slots else slots, pos, pos + 1, kv_len)
-    hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False)
+    view = BlockBatch(None if all_slots else slots, pos, kv_len)
+    hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False, backend=backend)
     logits = model.logits(hidden)                                            # [b, 1, V]
     if all_greedy:
         nxt = logits[:, 0].argmax(-1)

@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from orthrus.engine import decode, scheduler
-from orthrus.model import flash
+from orthrus.model.backends import AttentionBackend, choose_backend
 from orthrus.engine.slot_table import SlotTable
 from orthrus.model.cache import RaggedKVCache
 from orthrus.engine.graphs import CycleGraphs, pad_slots
 from orthrus.model.qwen3 import OrthrusForCausalLM
 from orthrus.engine.packed import Packed
+from orthrus.engine.prefix_cache import PrefixIndex
 from orthrus.params import RowStats, SamplingParams
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.engine.proposer import DiffusionProposer, Proposer
@@ -64,7 +65,7 @@ class OrthrusEngine:
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
                  max_seq_len: int | None = None, proposer: Proposer | None = None, attention: str = "auto",
                  static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
-                 key_bucket: int | None = None) -> None:
+                 key_bucket: int | None = None, prefix_cache: bool = True) -> None:
         cfg = model.config
         _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
@@ -80,13 +81,13 @@ class OrthrusEngine:
         attn = model.model.layers[0].self_attn
         self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
                                    self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
-        self.cache.flash_kernel = flash.choose(attention, self.device, param.dtype, attn.num_heads,
-                                               attn.num_kv_heads, attn.head_dim)
-        self.attention = "sdpa" if self.cache.flash_kernel is None else "flash"
         # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans (cuDNN)
         # are built per shape, and the exact length changes almost every iteration. On a CPU the
         # extra (masked) keys would only cost compute, so lengths stay exact there by default.
-        self.cache.key_bucket = key_bucket or (KEY_BUCKET if self.device.type == "cuda" else 1)
+        key_bucket = key_bucket or (KEY_BUCKET if self.device.type == "cuda" else 1)
+        self.backend: AttentionBackend = choose_backend(attention, self.device, param.dtype, attn.num_heads,
+                                                        attn.num_kv_heads, attn.head_dim, key_bucket)
+        self.attention = self.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
         # Static shapes pay off with flash, which reads only each row's own length; with SDPA every
         # forward would mask (and, below B rows, gather) the whole capacity, so it is opt-in there.
         default_static = self.device.type == "cuda" and self.attention == "flash"
@@ -107,10 +108,12 @@ class OrthrusEngine:
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
         self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
         self._abort_slots: list[int] = []               # slots of running requests aborted, freed next step
-        self._retained: dict[int, tuple[int, ...]] = {}  # free slot -> prompt whose K/V it still holds
         self._mode: bool | str = speculative            # the mode of the steps now running
         self.iterations = 0          # decode iterations (cycles or AR steps over the batch) run so far
+        # Slots (running, or free with intact K/V) by the prompt prefixes they hold: prefix_cache.py.
+        self.prefix_index = PrefixIndex() if prefix_cache else None
         self.prefill_tokens = 0      # prompt tokens computed by prefills (a shared prompt counts once)
+        self.prefix_cache_hit_tokens = 0   # prompt tokens copied from a slot holding them instead of computed
         self.admitting_steps = 0     # steps that seated waiting requests (one host→device copy each)
         self._added = 0              # requests added so far (each one's row index for the proposer)
         self.busy_slot_iterations = 0   # sum over iterations of occupied slots (occupancy = this / iterations / B)
@@ -217,7 +220,8 @@ class OrthrusEngine:
         self._requests.clear()
         self._aborted.clear()
         self._abort_slots.clear()
-        self._retained.clear()
+        if self.prefix_index is not None:
+            self.prefix_index.clear()
         self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
         self.state.reset()
         self.cache.reset()
@@ -275,11 +279,11 @@ class OrthrusEngine:
         req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
         lp = self.table.logprobs.release(slot, len(tokens))
         del self._requests[req.request_id]
-        # A freed slot keeps its prompt's K/V for later requests with the same prompt, unless
-        # something may have written there: a static-shape iteration pads with free slots, and a row
-        # that died at its prefill ran one dead iteration, which writes at the start of its slot.
-        if not self.static_shapes and stats.num_cycles + stats.num_ar_steps > 0:
-            self._retained[slot] = req.key
+        # A freed slot keeps its prompt's K/V for later requests sharing a prefix of it, unless
+        # something may write there: a static-shape iteration pads with free slots, and a row that
+        # died at its prefill ran one dead iteration, which writes at the start of its slot.
+        if self.prefix_index is not None and (self.static_shapes or self.table.ran_dead[slot]):
+            self.prefix_index.remove(slot)
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text, lp)
         stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
@@ -324,16 +328,11 @@ class OrthrusEngine:
     def _admit(self) -> None:
         """Seat waiting requests in free slots (FIFO) and prefill them."""
         free, reqs = scheduler.admit(self._waiting, self.table.free_slots())
-        donors = {key: s for s, key in self._retained.items()}
-        occupied = self.table.occupied().tolist()  # SYNC: none (host numpy)
-        donors.update((self.table.requests[s].key, s) for s in occupied)
-        for slot in free.tolist():       # SYNC: none (host numpy); about to be prefilled (after any copy out of them)
-            self._retained.pop(slot, None)
         now = time.perf_counter()
         for r in reqs:
             r.admitted = now
         self.table.admit(free, reqs)
-        self._prefill(free, reqs, donors)
+        self._prefill(free, reqs)
 
     def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
                  all_greedy: bool, lp: int | None) -> np.ndarray:
@@ -354,19 +353,25 @@ class OrthrusEngine:
         """The device work of one iteration over ``slots_t`` → packed result ``[b, W + 5]``, plus the
         logprob block when ``lp`` is a top-k width (no host reads)."""
         if k != AR:
-            return decode.speculative_cycle(self.model, self.proposer, self.cache, st, slots_t, all_slots, kv_len,
-                                            k, filtered, all_greedy, self.max_seq_len, lp)
-        return decode.ar_step(self.model, self.cache, st, slots_t, all_slots, kv_len, filtered, all_greedy,
-                              self.max_seq_len, lp)
+            return decode.speculative_cycle(self.model, self.proposer, self.cache, self.backend, st, slots_t,
+                                            all_slots, kv_len, k, filtered, all_greedy, self.max_seq_len, lp)
+        return decode.ar_step(self.model, self.cache, self.backend, st, slots_t, all_slots, kv_len, filtered,
+                              all_greedy, self.max_seq_len, lp)
 
-    def _prefill(self, slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int]) -> None:
-        """Load admitted requests into their slots and prefill them (a prompt computed at most once)."""
-        batch, params, computed = scheduler.admission(slots, reqs, donors, self.eos_token_ids,
-                                                      self.state.stop_ids.shape[1], self.admission_staging)
+    def _prefill(self, slots: np.ndarray, reqs: list[Request]) -> None:
+        """Load admitted requests into their slots and prefill them, copying every prompt prefix
+        some slot holds (the prefix cache) instead of computing it."""
+        batch, params, computed = scheduler.admission(slots, reqs, self.prefix_index, self.eos_token_ids,
+                                                      self.state.stop_ids.shape[1], self.cache.capacity,
+                                                      self.admission_staging)
+        if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
+            for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
+                self.prefix_index.add(slot, r.prompt_ids)
         scheduler.load_slots(self.state, batch.slots, params)
-        decode.prefill(self.model, self.cache, self.state, batch, *self.table.flags(slots), self.max_seq_len,
-                       self.table.logprobs.width(slots))
+        decode.prefill(self.model, self.cache, self.backend, self.state, batch, *self.table.flags(slots),
+                       self.max_seq_len, self.table.logprobs.width(slots))
         self.prefill_tokens += computed
+        self.prefix_cache_hit_tokens += sum(len(r.prompt) for r in reqs) - computed
         self.admitting_steps += 1
 
 

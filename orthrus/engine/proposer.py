@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from orthrus.model.attention import BlockBatch
+from orthrus.model.backends import AttentionBackend, BlockBatch
 from orthrus.model.cache import RaggedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
@@ -19,8 +19,9 @@ class Proposer(Protocol):
     """Returns proposal logits ``[b, K-1, V]`` for positions ``n+1 … n+K-1`` of each row."""
 
     def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
-                rows: torch.Tensor) -> torch.Tensor:
-        """``anchor [b]`` sits at ``batch.positions[:, 0]``; ``rows [b]`` index the generate call's prompts."""
+                rows: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """``anchor [b]`` sits at ``batch.positions[:, 0]``; ``rows [b]`` index the generate call's prompts;
+        ``backend`` is the engine's, for proposers that run the model over ``cache``."""
         ...
 
 
@@ -32,9 +33,9 @@ class DiffusionProposer:
         self.mask_token_id = model.mask_token_id
 
     def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
-                rows: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         k = batch.positions.shape[1]
         block = torch.full((anchor.shape[0], k), self.mask_token_id, dtype=torch.long, device=anchor.device)
         block[:, 0] = anchor                                                  # [b, K]
-        hidden = self.model.forward_cached(block, cache, batch, diffusion=True)
+        hidden = self.model.forward_cached(block, cache, batch, diffusion=True, backend=backend)
         return self.model.logits(hidden[:, : k - 1])                          # [b, K-1, V]

@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
+
 from orthrus.engine.logprobs import TokenLogprobs
 from orthrus.params import RowStats, SamplingParams
 
@@ -70,11 +72,11 @@ class Request:
     slot: int = -1                   # -1 while waiting
     abort: bool = False              # abort_request was called; freed at the next step
     scanned: int = 0                 # generated tokens already searched for stop strings
-    key: tuple[int, ...] = field(init=False, repr=False)   # the prompt, hashable (shared prefills)
+    prompt_ids: np.ndarray = field(init=False, repr=False)   # the prompt as int64 (prefix cache lookups)
     row: int = 0                     # index passed to the proposer (the prompt index in generate)
 
     def __post_init__(self) -> None:
-        self.key = tuple(self.prompt)
+        self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
 
     def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
                stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None) -> RequestOutput:

@@ -1,24 +1,24 @@
 """Admission: which waiting requests get which free slots, and how their prompts are prefilled.
 
-FIFO into free slots. A prompt is computed at most once while some slot holds it (typically the n
-samples of one prompt, which the pipeline submits together): requests admitted in the same step
-that share a prompt are prefilled once and the K/V copied to the others on the device; a request
-whose prompt a *running* slot already holds (a sibling admitted in an earlier step) copies that
-slot's prompt K/V and last hidden state and computes nothing; so does a request whose prompt a
-*freed* slot still holds, where the engine knows nothing wrote there since (eager iterations only:
-a static-shape iteration pads with free slots). Every request keeps its own seed and random stream,
-so its first token is still its own sample. A running slot never writes its positions below the
-prompt length.
+FIFO into free slots. A prompt prefix is computed at most once while some slot holds it (the prefix
+cache, ``prefix_cache.py``): a request whose prompt starts like one a running slot, or a freed slot
+with intact K/V, holds copies those positions and computes only the rest (nothing at all for an
+identical prompt: the n samples of one row); requests admitted in the same step that share a
+prefix compute it once, in the first of the step's two prefill stages (``prefill.py``), and the
+others copy it. Every request keeps its own seed and random stream, so its first token is still its
+own sample. Everything the device needs for one admission travels in one host→device copy.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from orthrus.engine.decode import PrefillBatch, SlotState
+from orthrus.engine.decode import SlotState
+from orthrus.engine.prefill import PrefillBatch, PrefillStage, PrefixCopy, RestForward
+from orthrus.engine.prefix_cache import PrefixIndex, block_hashes
 from orthrus.engine.requests import Request
 from orthrus.engine.staging import HostStaging
 
@@ -38,45 +38,111 @@ def _stops(reqs: list[Request], eos_token_ids: tuple[int, ...], width: int) -> n
     return stops
 
 
-def admission(slots: np.ndarray, reqs: list[Request], donors: dict[tuple[int, ...], int],
-              eos_token_ids: tuple[int, ...], stop_width: int, staging: HostStaging
-              ) -> tuple[PrefillBatch, SlotParams, int]:
-    """Everything the device needs to seat ``reqs`` in ``slots``, given the prompts other slots hold
-    intact (``donors``: prompt → slot), staged in ONE host→device copy → (the prefill batch, the
-    slots' sampling parameters, prompt tokens the prefill computes)."""
-    distinct: dict[tuple[int, ...], int] = {}
-    owners: list[int] = []
-    copies, lent = [], []                         # (from slot, to slot): after / before the forward
+@dataclass
+class _Stage:
+    """Host plan of one prefill stage: copies ``(src, dst, length, whole)``, then rows to compute
+    ``(slot, start, rest tokens)``."""
+
+    copies: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    rows: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+
+def plan_prompts(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None) -> tuple[_Stage, _Stage]:
+    """How each admitted prompt gets its K/V (``prefill.py``): copied from a slot that held its
+    prefix before this step (stage 1's copy), or from a row computed in stage 1 (stage 2's copy),
+    the rest computed; ``index`` None = no prefix cache (every prompt computed in full)."""
+    first, second = _Stage(), _Stage()
+    fresh = PrefixIndex(index.block) if index is not None else None   # rows stage 1 computes
     for r, slot in zip(reqs, slots.tolist()):  # SYNC: none (host numpy)
-        if r.key in donors:
-            lent.append((donors[r.key], slot))
-        elif r.key in distinct:
-            copies.append((owners[distinct[r.key]], slot))
+        prompt = r.prompt_ids
+        if index is None:
+            first.rows.append((slot, 0, prompt))
+            continue
+        hashes = block_hashes(prompt, index.block)
+        held, new = index.match(prompt, hashes), fresh.match(prompt, hashes)
+        if new is not None and (held is None or new.length > held.length):
+            stage, m = second, new
         else:
-            distinct[r.key] = len(distinct)
-            owners.append(slot)
-    t = max((len(p) for p in distinct), default=0)
-    padded = np.zeros((len(distinct), t), dtype=np.int64)                      # [u, T], right-padded
-    for i, p in enumerate(distinct):
-        padded[i, : len(p)] = p
+            stage, m = first, held
+        if m is not None:
+            stage.copies.append((m.slot, slot, m.length, m.whole))
+        start = 0 if m is None else m.length
+        if start < len(prompt):
+            stage.rows.append((slot, start, prompt[start:]))
+        if stage is first:
+            fresh.add(slot, prompt, hashes)
+    return first, second
+
+
+def _forward_groups(rows: list[tuple[int, int, np.ndarray]], capacity: int) -> list[list[tuple[int, int, np.ndarray]]]:
+    """Rows of one stage in as few padded forwards as fit: start + padded length <= ``capacity``
+    for every row of a forward (a pad token's K/V is written at its position). Bounded by rows."""
+    groups: list[list[tuple[int, int, np.ndarray]]] = []
+    for row in sorted(rows, key=lambda r: -len(r[2])):
+        g = groups[-1] if groups else None
+        if g is not None and max(row[1], max(s for _, s, _ in g)) + len(g[0][2]) <= capacity:
+            g.append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+Group = list[tuple[int, int, np.ndarray]]
+
+
+def _stage_arrays(name: str, stage: _Stage, groups: list[Group]) -> dict[str, np.ndarray]:
+    """Host arrays of one stage (its copy, each forward's rows) for the admission's one transfer."""
+    ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    whole = [c for c in stage.copies if c[3]]
+    arrays = {f"{name}.src": ints([c[0] for c in stage.copies]), f"{name}.dst": ints([c[1] for c in stage.copies]),
+              f"{name}.hsrc": ints([c[0] for c in whole]), f"{name}.hdst": ints([c[1] for c in whole])}
+    for j, g in enumerate(groups):
+        tokens = np.zeros((len(g), len(g[0][2])), dtype=np.int64)              # [u, T], right-padded
+        for i, (_, _, rest) in enumerate(g):
+            tokens[i, : len(rest)] = rest
+        arrays.update({f"{name}.{j}.slots": ints([r[0] for r in g]), f"{name}.{j}.tokens": tokens,
+                       f"{name}.{j}.starts": ints([r[1] for r in g]), f"{name}.{j}.lens": ints([len(r[2]) for r in g])})
+    return arrays
+
+
+def _device_stage(name: str, stage: _Stage, groups: list[Group], d: dict[str, torch.Tensor]) -> PrefillStage:
+    """The stage on the device, from the views of the one transfer (lengths are host-known)."""
+    copy = None
+    if stage.copies:
+        copy = PrefixCopy(d[f"{name}.src"], d[f"{name}.dst"], max(c[2] for c in stage.copies),
+                          d[f"{name}.hsrc"], d[f"{name}.hdst"])
+    forwards = tuple(RestForward(d[f"{name}.{j}.slots"], d[f"{name}.{j}.tokens"], d[f"{name}.{j}.starts"],
+                                 d[f"{name}.{j}.lens"], max(r[1] for r in g) + len(g[0][2]))
+                     for j, g in enumerate(groups))
+    return PrefillStage(copy, forwards)
+
+
+def admission(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None,
+              eos_token_ids: tuple[int, ...], stop_width: int, capacity: int, staging: HostStaging
+              ) -> tuple[PrefillBatch, SlotParams, int]:
+    """Everything the device needs to seat ``reqs`` in ``slots``, given the prompt prefixes other
+    slots hold (``index``), staged in ONE host→device copy → (the prefill batch, the slots' sampling
+    parameters, prompt tokens the prefill computes)."""
+    stages = plan_prompts(slots, reqs, index)
     ps = [r.params for r in reqs]
     ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-    d = staging.stage({
-        "slots": ints(slots), "row_lens": ints([len(r.prompt) for r in reqs]), "prompts": padded,
-        "lens": ints([len(p) for p in distinct]), "owners": ints(owners), "copy_from": ints([c[0] for c in copies]),
-        "copy_to": ints([c[1] for c in copies]), "donor_from": ints([c[0] for c in lent]),
-        "donor_to": ints([c[1] for c in lent]), "stop_ids": _stops(reqs, eos_token_ids, stop_width),
+    parts = {
+        "slots": ints(slots), "row_lens": ints([len(r.prompt) for r in reqs]),
+        "stop_ids": _stops(reqs, eos_token_ids, stop_width),
         "row": ints([r.row for r in reqs]), "seed": ints([r.seed for r in reqs]),
         "max_new": ints([p.max_new_tokens for p in ps]), "top_k": ints([p.top_k for p in ps]),
         "temperature": np.asarray([p.temperature for p in ps], dtype=np.float64),
         "top_p": np.asarray([p.top_p for p in ps], dtype=np.float64),
-        "greedy": np.asarray([p.greedy for p in ps], dtype=bool)})
-    donor_len = max((len(r.key) for r in reqs if r.key in donors), default=0)
-    batch = PrefillBatch(d["slots"], d["row_lens"], d["prompts"], d["lens"], d["owners"], d["copy_from"],
-                         d["copy_to"], d["donor_from"], d["donor_to"], donor_len)
+        "greedy": np.asarray([p.greedy for p in ps], dtype=bool)}
+    groups = [_forward_groups(stage.rows, capacity) for stage in stages]
+    for i, (stage, g) in enumerate(zip(stages, groups)):
+        parts.update(_stage_arrays(f"s{i}", stage, g))
+    d = staging.stage(parts)
+    device_stages = tuple(_device_stage(f"s{i}", stage, g, d) for i, (stage, g) in enumerate(zip(stages, groups)))
+    batch = PrefillBatch(d["slots"], d["row_lens"], device_stages)
     params = SlotParams(d["stop_ids"], d["row"], d["seed"], d["max_new"], d["temperature"], d["top_p"],
                         d["top_k"], d["greedy"])
-    return batch, params, sum(len(p) for p in distinct)
+    return batch, params, sum(len(r[2]) for stage in stages for r in stage.rows)
 
 
 @dataclass(frozen=True)

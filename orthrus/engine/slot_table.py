@@ -22,11 +22,13 @@ class SlotTable:
 
     def __init__(self, num_slots: int, width: int, capacity: int, vocab_size: int) -> None:
         self.width = width
+        self.capacity = capacity
         self.requests: list[Request | None] = [None] * num_slots
         self.busy_mask = np.zeros(num_slots, dtype=bool)
         self.tokens = np.zeros((num_slots, capacity + width + 1), dtype=np.int64)
         self.count = np.zeros(num_slots, dtype=np.int64)           # generated tokens so far
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
+        self.limit = np.zeros(num_slots, dtype=np.int64)           # most tokens the row may generate
         self.greedy = np.zeros(num_slots, dtype=bool)
         self.filtered = np.zeros(num_slots, dtype=bool)            # sampled with top-k or top-p
         self.has_stops = np.zeros(num_slots, dtype=bool)           # has stop strings to scan for
@@ -35,6 +37,7 @@ class SlotTable:
         self.drafted = np.zeros(num_slots, dtype=np.int64)
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
+        self.ran_dead = np.zeros(num_slots, dtype=bool)            # took part in an iteration after it ended
         self.logprobs = LogprobBook(num_slots, self.tokens.shape[1], vocab_size)
 
     def free_slots(self) -> np.ndarray:
@@ -55,14 +58,21 @@ class SlotTable:
             self.requests[slot] = req
             req.slot = slot
         self.busy_mask[slots] = True
+        self.ran_dead[slots] = False
         for arr in (self.count, self.cycles, self.accepted, self.drafted, self.ar_steps, self.hist):
             arr[slots] = 0
         self.prompt_len[slots] = [len(r.prompt) for r in requests]
+        self.limit[slots] = np.minimum([r.params.max_new_tokens for r in requests], self.capacity - self.prompt_len[slots])
         self.greedy[slots] = [r.params.greedy for r in requests]
         self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
                                 for r in requests]
         self.has_stops[slots] = [bool(r.params.stop) for r in requests]
         self.logprobs.admit(slots, requests)
+
+    def remaining(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens each row may still generate. A row admitted this step counts its first token,
+        which its prefill sampled and the host has not read yet (every occupied row has one)."""
+        return self.limit[slots] - np.maximum(self.count[slots], 1)
 
     def kv_len(self, slots: np.ndarray) -> int:
         """Host-known bound on keys a block at these slots can see (no device read needed)."""
@@ -83,6 +93,7 @@ class SlotTable:
         self.tokens[np.broadcast_to(slots[:, None], cols.shape)[keep], cols[keep]] = out.emitted[keep]
         self.count[slots] += out.n_emit
         live = out.alive
+        self.ran_dead[slots[~live]] = True
         ended = out.reason != FinishReason.RUNNING
         if not block_size:
             self.ar_steps[slots] += live

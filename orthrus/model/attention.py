@@ -1,89 +1,26 @@
-"""Dual-view Qwen3 attention over the ragged cache.
+"""Dual-view Qwen3 attention: the projections of both views; the attention itself is pluggable.
 
 Shape legend
     b   rows in this forward          T   query tokens per row
     H   query heads                   Hk  key/value heads (GQA: H is a multiple of Hk)
-    D   head dim                      L   keys visible to this forward (kv_len, host-known bound)
-    E   hidden size
+    D   head dim                      E   hidden size
 
 Views. The AR view (``q_proj`` … ``k_norm``) is stock Qwen3. The diffusion view uses the ``*_diff``
-twins with the same shapes. Both views share the cache: a forward writes its block's K/V at the
-row's positions, then attends to every key ``j < key_limit[b, t]``:
-
-    causal (AR, prefill, verify)    key_limit = position + 1
-    bidirectional (draft block)     key_limit = lengths + T   (whole committed prefix + whole block)
-
-The draft block's diffusion K/V lands in the scratch slots ``n … n+K-1`` that the verify pass
-overwrites with AR K/V right after, so the diffusion view never leaves anything in the cache.
+twins with the same shapes. Which keys a query sees, and whether the block's K/V goes into a cache,
+is the ``attend`` callable's business (``backends.py``): the same module serves inference over the
+ragged cache, the plain AR forward and training.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-from orthrus.model import flash
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.backends import Attend
 
 AR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 DIFF_SUFFIX = "_diff"
-
-
-@dataclass(frozen=True)
-class BlockBatch:
-    """Where a forward's tokens sit in the ragged cache and which keys each of them sees."""
-
-    slots: torch.Tensor | None  # [b] cache slots; None = all B slots in order (copy-free reads)
-    positions: torch.Tensor     # [b, T] absolute positions, also the cache write offsets
-    key_limit: torch.Tensor     # [b, T] key j is visible iff j < key_limit
-    kv_len: int                 # host-known bound: max(key_limit) <= kv_len <= capacity
-    causal: bool = True         # False only for the draft block; the same rule as key_limit, for
-                                # kernels that take lengths instead of a mask (flash.py)
-    # Filled once per forward by ``prepare`` (not per layer): what every layer's kernel reads.
-    mask: torch.Tensor | None = None         # [b, 1, T, L] bool: key j visible to query t (SDPA)
-    write_slots: torch.Tensor | None = None  # [b] long: the cache slots the block is written to
-    starts32: torch.Tensor | None = None     # [b] int32: each row's first position (flash)
-    slots32: torch.Tensor | None = None      # [b] int32 or None (flash)
-
-    def prepare(self, num_slots: int, flash_kernel: bool, key_bucket: int = 1, capacity: int | None = None
-                ) -> "BlockBatch":
-        """This batch with its per-forward tensors computed once for all layers.
-
-        ``key_bucket`` > 1 rounds the attended key length up to a multiple of it (capped at
-        ``capacity``): the extra keys are masked, so no token changes, and the eager GPU path sees a
-        few key lengths instead of a new one almost every iteration (kernel plans are per shape).
-        """
-        if flash_kernel:
-            return replace(self, starts32=self.positions[:, 0].to(torch.int32),
-                           slots32=None if self.slots is None else self.slots.to(torch.int32))
-        kv_len = self.kv_len
-        if key_bucket > 1:
-            kv_len = min(-(-kv_len // key_bucket) * key_bucket, capacity or kv_len)
-        keys = torch.arange(kv_len, device=self.positions.device)
-        mask = (keys[None, None, :] < self.key_limit[:, :, None])[:, None]         # [b, 1, T, L]
-        return replace(self, kv_len=kv_len, mask=mask, write_slots=self.slot_index(num_slots))
-
-    def slot_index(self, num_slots: int) -> torch.Tensor:
-        """The slots as a tensor, materialising ``arange(B)`` for the all-slots case."""
-        if self.slots is not None:
-            return self.slots
-        return torch.arange(num_slots, device=self.positions.device)
-
-
-def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_limit: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA of ``q [b, H, T, D]`` over ``k, v [b, Hk, L, D]`` with per-row, per-query key limits
-    (``mask [b, 1, T, L]``: the same rule, computed once per forward by ``BlockBatch.prepare``)."""
-    if mask is None:
-        keys = torch.arange(k.shape[2], device=q.device)
-        mask = (keys[None, None, :] < key_limit[:, :, None])[:, None]  # [b, 1, T, L]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out                                                         # [b, H, T, D]
 
 
 class OrthrusAttention(nn.Module):
@@ -126,23 +63,8 @@ class OrthrusAttention(nn.Module):
         b, _, t, _ = attn.shape
         return self._part("o_proj", diffusion)(attn.transpose(1, 2).reshape(b, t, -1))
 
-    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: RaggedKVCache, batch: BlockBatch, diffusion: bool) -> torch.Tensor:
-        """Write this block's K/V into the cache, then attend over the row's visible keys."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                diffusion: bool) -> torch.Tensor:
+        """``x [b, T, E]`` → ``[b, T, E]``: one view's projections around ``attend`` (``backends.Attend``)."""
         q, k, v = self.project(x, cos, sin, diffusion)
-        if cache.flash_kernel is not None:   # one fused append + attend, bounded by each row's length
-            out = flash.kvcache_attention(q, k, v, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                          batch.starts32, batch.slots32, batch.causal, self.scale,
-                                          cache.flash_kernel)
-            return self.output(out, diffusion)
-        cache.write(self.layer_idx, batch.write_slots, batch.positions, k, v)
-        k_all, v_all = cache.read(self.layer_idx, batch.slots, batch.kv_len)  # [b, Hk, L, D]
-        return self.output(ragged_attention(q, k_all, v_all, batch.key_limit, self.scale, batch.mask), diffusion)
-
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      mask: torch.Tensor | None, diffusion: bool = False) -> torch.Tensor:
-        """Whole-sequence attention without a cache; ``mask [b|1, 1, T, T]`` bool, None = causal."""
-        q, k, v = self.project(x, cos, sin, diffusion)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.output(out, diffusion)
+        return self.output(attend(self.layer_idx, q, k, v, self.scale), diffusion)   # attend: [b, H, T, D]

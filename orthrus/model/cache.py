@@ -10,10 +10,11 @@ Why ragged: in a batch every row accepts its own number of drafts per cycle, so 
 different number of tokens. Cropping is therefore a per-row length update (``lengths``) rather than
 a copy; K/V beyond a row's length is stale, masked by the attention, and overwritten by the next
 block written at that row's offset.
+
+This is plain storage: how a forward appends to it and attends over it is an attention backend's
+job (``backends.py``).
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -29,11 +30,6 @@ class RaggedKVCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)  # committed tokens
         self.num_slots = num_slots
         self.capacity = capacity
-        # The kernel that appends to and reads this cache: None = write() + read() + SDPA with a mask;
-        # else a flash_attn_with_kvcache-compatible function (see flash.py), set by the engine.
-        self.flash_kernel: Callable[..., torch.Tensor] | None = None
-        # The SDPA path attends to keys up to a multiple of this (1: exactly kv_len), set by the engine.
-        self.key_bucket = 1
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""FlashAttention's KV-cache kernel as the GPU form of ``ragged_attention`` (DESIGN §2.3).
+"""FlashAttention's KV-cache kernel: the GPU form of ``backends.ragged_attention`` (DESIGN §2.3).
 
 Shape legend
     B   cache slots          b   rows of this forward       T   query tokens per row
@@ -57,7 +57,7 @@ def kvcache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     """Append ``k_new, v_new [b, Hk, T, D]`` at ``starts [b]`` and attend ``q [b, H, T, D]`` → ``[b, H, T, D]``.
 
     ``k_cache, v_cache [B, Hk, S, D]`` are updated in place; ``slots [b]`` picks each row's slot
-    (None: rows are slots 0 … B-1). ``starts`` and ``slots`` are int32 (``BlockBatch.prepare``).
+    (None: rows are slots 0 … B-1). ``starts`` and ``slots`` are int32 (``FlashKVCache.prepare``).
     """
     out = fn(q.transpose(1, 2),                                    # [b, T, H, D]
              k_cache.transpose(1, 2), v_cache.transpose(1, 2),      # [B, S, Hk, D] views, no copy
@@ -83,7 +83,7 @@ def choose(attention: str, device: torch.device, dtype: torch.dtype, heads: int,
         failure = probe(fn, device, dtype, heads, kv_heads, head_dim)
         if failure is not None:
             warnings.warn(f"attention='auto': flash_attn is importable but failed a probe call ({failure}); "
-                          "using SDPA", stacklevel=3)
+                          "using SDPA", stacklevel=4)   # the engine's caller (via choose_backend)
             return None
     return fn
 

@@ -14,14 +14,15 @@ from transformers import PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from orthrus.model import checkpoint
-from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, BlockBatch, OrthrusAttention
+from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
+from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
 from orthrus.model.cache import RaggedKVCache
 
 DEFAULT_BLOCK_SIZE = 32
 
 
 class OrthrusDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 block; the attention view is chosen per call."""
+    """Pre-norm Qwen3 block; the attention view and the ``attend`` callable are chosen per call."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -30,18 +31,11 @@ class OrthrusDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                diffusion: bool) -> torch.Tensor:
+        """``h [b, T, E]`` → ``[b, T, E]``: attention (one view, through ``attend``), then the shared MLP."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend, diffusion)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    def forward_cached(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: RaggedKVCache, batch: BlockBatch, diffusion: bool) -> torch.Tensor:
-        a = self.self_attn.forward_cached(self.input_layernorm(h), cos, sin, cache, batch, diffusion)
-        return self._mlp(h + a)
-
-    def forward_dense(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      mask: torch.Tensor | None, diffusion: bool) -> torch.Tensor:
-        a = self.self_attn.forward_dense(self.input_layernorm(h), cos, sin, mask, diffusion)
-        return self._mlp(h + a)
 
 
 class OrthrusModel(nn.Module):
@@ -54,12 +48,23 @@ class OrthrusModel(nn.Module):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                diffusion: bool) -> torch.Tensor:
+        """THE layer loop (inference, the plain AR forward and training all run it): ``input_ids
+        [b, T]`` at ``positions [b, T]`` through one view → final-norm hidden ``[b, T, E]``."""
+        h = self.embed_tokens(input_ids)                                   # [b, T, E]
+        cos, sin = self.rotary_emb(h, positions)                           # [b, T, D]
+        for layer in self.layers:
+            h = layer(h, cos, sin, attend, diffusion)
+        return self.norm(h)
+
 
 class OrthrusForCausalLM(PreTrainedModel):
     """One Qwen3 model, two attention views sharing one KV cache (DESIGN §2.1).
 
     ``forward(input_ids)`` is the plain AR model (all positions' logits). The engine uses
-    ``forward_cached`` to run either view on a block over the ragged cache.
+    ``forward_cached`` to run either view on a block over the ragged cache; both, and training, run
+    the one layer loop ``OrthrusModel.forward`` with a different ``attend`` (``backends.py``).
     """
 
     config_class = Qwen3Config
@@ -108,29 +113,18 @@ class OrthrusForCausalLM(PreTrainedModel):
                 getattr(layer.self_attn, name + DIFF_SUFFIX).load_state_dict(
                     getattr(layer.self_attn, name).state_dict())
 
-    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.rotary_emb(h, positions)  # cos, sin [b, T, D]
-
     def forward_cached(self, input_ids: torch.Tensor, cache: RaggedKVCache, batch: BlockBatch,
-                       diffusion: bool) -> torch.Tensor:
-        """Run one view on ``input_ids [b, T]`` over the ragged cache → final hidden ``[b, T, E]``."""
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope(h, batch.positions)
-        batch = batch.prepare(cache.num_slots, cache.flash_kernel is not None, cache.key_bucket, cache.capacity)
-        for layer in self.model.layers:
-            h = layer.forward_cached(h, cos, sin, cache, batch, diffusion)
-        return self.model.norm(h)
+                       diffusion: bool, backend: AttentionBackend) -> torch.Tensor:
+        """Run one view on ``input_ids [b, T]`` over the ragged cache through ``backend`` (which
+        writes the block's K/V and attends) → final hidden ``[b, T, E]``."""
+        return self.model(input_ids, batch.positions, backend.bind(batch, cache), diffusion)
 
     def forward_dense(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None, diffusion: bool = False) -> torch.Tensor:
         """Whole-sequence forward without a cache → final hidden ``[b, T, E]`` (None mask = causal)."""
-        h = self.model.embed_tokens(input_ids)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        cos, sin = self._rope(h, positions)
-        for layer in self.model.layers:
-            h = layer.forward_dense(h, cos, sin, mask, diffusion)
-        return self.model.norm(h)
+        return self.model(input_ids, positions, DenseSDPA(mask), diffusion)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal AR view: logits ``[b, T, V]`` for every position."""

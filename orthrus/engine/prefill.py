@@ -1,0 +1,84 @@
+"""Device side of admission: the prompts' K/V and last hidden states, through the prefix cache.
+
+An admitting step runs one or two *stages*, each a device copy then ragged forwards:
+
+    stage 1   copy prefixes from slots that held them before this step (the prefix cache), then
+              one forward over every row that has something to compute: a prompt nobody holds
+              (from position 0) or the rest of a prompt whose prefix was just copied
+    stage 2   copy prefixes from rows stage 1 just computed (rows admitted together that share a
+              prefix: the first computes it, the others copy it), then their rests
+
+A row whose whole prompt some slot holds copies that slot's last hidden state too and computes
+nothing. Every forward is ragged: row i computes tokens ``start[i] … start[i] + len[i] - 1`` at
+their own positions, right-padded to the forward's longest rest; a pad token writes K/V past its
+row's prompt (stale, overwritten by the row's first block) and its output is never read. The host
+plan (``scheduler.plan_prompts``) splits a stage into more forwards only where one padded forward
+would pass a slot's capacity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orthrus.model.backends import AttentionBackend, BlockBatch
+from orthrus.model.cache import RaggedKVCache
+from orthrus.model.qwen3 import OrthrusForCausalLM
+
+
+@dataclass(frozen=True)
+class PrefixCopy:
+    """Positions ``0 … length-1`` of slots ``src [c]`` into ``dst [c]``; for rows whose whole
+    prompt the source holds, its last hidden state too (``hidden_src [w]`` → ``hidden_dst [w]``)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    length: int
+    hidden_src: torch.Tensor
+    hidden_dst: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RestForward:
+    """One ragged prefill forward: ``tokens [u, T]`` (right-padded) of slots ``slots [u]`` at
+    positions ``starts[i] + t``; ``lens [u]`` real tokens per row; ``kv_len`` = max(start) + T."""
+
+    slots: torch.Tensor
+    tokens: torch.Tensor
+    starts: torch.Tensor
+    lens: torch.Tensor
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class PrefillStage:
+    """A copy (None: nothing to copy) followed by forwards (possibly none)."""
+
+    copy: PrefixCopy | None
+    forwards: tuple[RestForward, ...]
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Rows admitted in one step, on the device (host-planned by ``scheduler.admission``):
+    ``slots [b]``, their prompt lengths ``row_lens [b]``, and the stages that fill their prompts."""
+
+    slots: torch.Tensor
+    row_lens: torch.Tensor
+    stages: tuple[PrefillStage, ...]
+
+
+def prompt_states(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, hidden: torch.Tensor,
+                  stages: tuple[PrefillStage, ...]) -> None:
+    """Fill every admitted slot's prompt K/V and ``hidden [B, E]`` (last prompt position), stage by stage."""
+    for stage in stages:
+        c = stage.copy
+        if c is not None:
+            cache.copy_prefix(c.src, c.dst, c.length)
+            hidden[c.hidden_dst] = hidden[c.hidden_src]
+        for f in stage.forwards:
+            u, t = f.tokens.shape
+            pos = f.starts[:, None] + torch.arange(t, device=f.tokens.device)[None, :]   # [u, T]
+            batch = BlockBatch(slots=f.slots, positions=pos, kv_len=f.kv_len)            # causal
+            out = model.forward_cached(f.tokens, cache, batch, diffusion=False, backend=backend)  # [u, T, E]
+            hidden[f.slots] = out[torch.arange(u, device=out.device), f.lens - 1]
