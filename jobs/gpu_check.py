@@ -74,7 +74,7 @@ def _tokens(model, prompts, params, **engine_kwargs) -> tuple[list[list[int]], d
     warm = params if isinstance(params, SamplingParams) else params[:8]
     engine.generate(prompts[:8], warm)                      # warm-up: captures the graphs
     tokens = [r.token_ids for r in engine.generate(prompts, params)]
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     return tokens, {"captured": len(graphs.graphs), "eager_only": len(graphs.eager_only),
                     "capture_failures": list(getattr(graphs, "capture_failures", ["(not recorded)"]))}
 

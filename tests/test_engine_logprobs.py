@@ -217,10 +217,11 @@ def test_iteration_with_logprobs_traces_as_one_graph(model, spec):
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
     engine.generate(PROMPTS[:2], greedy(3))
     torch._dynamo.reset()
-    traced = torch.compile(engine._device_iteration, backend="eager", fullgraph=True, dynamic=False)
+    plan, _, _ = engine.runner.plan(np.arange(4), engine.block_size if spec else 0, 0, True, False, 5)
+    traced = torch.compile(lambda s: engine.runner.device_iteration(plan, s), backend="eager", fullgraph=True,
+                           dynamic=False)
     with torch.inference_mode():
-        out = traced(engine.state, torch.arange(4), True, engine.cache.capacity, engine.block_size if spec else 0,
-                     True, False, 5)
+        out = traced(torch.arange(4))
     w = engine.block_size if spec else 1
     assert out.shape == (4, w + 5 + (1 + w) * (1 + 2 * 5))
 

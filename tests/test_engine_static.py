@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,9 +61,8 @@ def model():
 
 
 def _run(model, params, speculative, static: bool, flash: bool, slots: int = 5):
-    engine = OrthrusEngine(model, max_batch_size=slots, static_shapes=static, attention="sdpa")
-    if flash:
-        engine.backend = FlashKVCache(reference_flash_attn_with_kvcache)
+    attention = FlashKVCache(reference_flash_attn_with_kvcache) if flash else "sdpa"
+    engine = OrthrusEngine(model, max_batch_size=slots, static_shapes=static, attention=attention)
     return [(r.token_ids, r.finish_reason, r.stats.accept_length_histogram, r.stats.num_ar_steps)
             for r in engine.generate(PROMPTS, params, speculative=speculative)]
 
@@ -108,11 +108,13 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
     engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])   # leaves a reset, valid state
     torch._dynamo.reset()
-    traced = torch.compile(engine._device_iteration, backend="eager", fullgraph=True, dynamic=False)
-    slots = torch.arange(4)
+    k = engine.block_size if spec else 0
+    plan, rows, _ = engine.runner.plan(np.arange(4), k, 0, not all_greedy, all_greedy, None)
+    assert rows.tolist() == [0, 1, 2, 3] and plan.kv_len == engine.cache.capacity and plan.all_slots
+    traced = torch.compile(lambda s: engine.runner.device_iteration(plan, s), backend="eager", fullgraph=True,
+                           dynamic=False)
     with torch.inference_mode():
-        k = engine.block_size if spec else 0
-        out = traced(engine.state, slots, True, engine.cache.capacity, k, not all_greedy, all_greedy)
+        out = traced(torch.arange(4))
     assert out.shape == (4, (engine.block_size if spec else 1) + 5)
 
 

@@ -1,24 +1,28 @@
 """Device side of decoding: per-slot state and the prefill / speculative-cycle / AR-step kernels.
 
 Everything here is batched tensor code over the rows of one forward (``b`` of the ``B`` slots);
-nothing reads a value back to the host. The host loop (``engine.py``) does one transfer per cycle
-of the packed result these functions return (its layout: ``packed.py``).
+nothing reads a value back to the host. Each function works on a :class:`ModelRunner`'s model,
+cache, backend and state, shaped by an ``IterationPlan``; the runner does one transfer per
+iteration of the packed result these functions return (its layout: ``packed.py``).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from orthrus import rng
 from orthrus.engine import logprobs
-from orthrus.model.backends import AttentionBackend, BlockBatch
+from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import RaggedKVCache
-from orthrus.model.qwen3 import OrthrusForCausalLM
 from orthrus.engine.packed import pack
 from orthrus.engine.prefill import PrefillBatch, prompt_states
-from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason
 from orthrus.params import MAX_LOGPROBS
 from orthrus.sampling import SamplingTensors, accept, greedy_accept, process, sample
+
+if TYPE_CHECKING:   # the runner owns what these functions work on, and calls them
+    from orthrus.engine.runner import IterationPlan, ModelRunner
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
@@ -89,12 +93,11 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
     return first_end + 1, reason
 
 
-def prefill(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, st: SlotState,
-            pb: PrefillBatch, filtered: bool, all_greedy: bool, max_seq_len: int,
-            lp_width: int | None = None) -> None:
-    """Prefill the admitted slots (each distinct prompt at most once) and sample every row's first
+def prefill(run: ModelRunner, pb: PrefillBatch, filtered: bool, all_greedy: bool, lp_width: int | None) -> None:
+    """Prefill the admitted slots (each prompt prefix at most once) and sample every row's first
     anchor from its own seed; with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""
-    prompt_states(model, cache, backend, st.prompt_hidden, pb.stages)
+    model, cache, st, max_seq_len = run.model, run.cache, run.state, run.max_seq_len
+    prompt_states(model, cache, run.backend, st.prompt_hidden, pb.stages)
     slots, row_lens = pb.slots, pb.row_lens
     logits = model.logits(st.prompt_hidden[slots])[:, None]                 # [b, 1, V]
     probs = process(logits, st.sampling(slots, filtered, all_greedy))
@@ -145,21 +148,19 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
     return packed if lp_block is None else torch.cat([packed, lp_block], 1)
 
 
-def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: RaggedKVCache,
-                      backend: AttentionBackend, st: SlotState, slots: torch.Tensor, all_slots: bool,
-                      kv_len: int, k: int, filtered: bool, all_greedy: bool, max_seq_len: int,
-                      lp_width: int | None = None) -> torch.Tensor:
+def speculative_cycle(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor) -> torch.Tensor:
     """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``; with
-    ``lp_width`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits."""
+    ``plan.logprobs`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits."""
+    model, cache, backend, st, k = run.model, run.cache, run.backend, run.state, plan.block
     n = _write_offsets(cache, st, slots)                                      # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
-    view_slots = None if all_slots else slots
-    draft_view = BlockBatch(view_slots, pos, kv_len, causal=False)
-    sp = st.sampling(slots, filtered, all_greedy)
+    view_slots = None if plan.all_slots else slots
+    draft_view = BlockBatch(view_slots, pos, plan.kv_len, causal=False)
+    sp = st.sampling(slots, plan.filtered, plan.all_greedy)
     seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
-    q_logits = proposer.propose(anchor, draft_view, cache, st.row[slots], backend)   # [b, K-1, V]
-    verify_view = BlockBatch(view_slots, pos, kv_len)
-    if all_greedy:
+    q_logits = run.proposer.propose(anchor, draft_view, cache, st.row[slots], backend)   # [b, K-1, V]
+    verify_view = BlockBatch(view_slots, pos, plan.kv_len)
+    if plan.all_greedy:
         drafts = q_logits.argmax(-1)                                                # [b, K-1]
         p_logits = model.logits(model.forward_cached(torch.cat([anchor[:, None], drafts], 1), cache,
                                                      verify_view, diffusion=False, backend=backend))
@@ -175,23 +176,34 @@ def speculative_cycle(model: OrthrusForCausalLM, proposer: Proposer, cache: Ragg
                             rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
     i = torch.arange(k, device=n.device)[None, :]
     emitted = torch.where(i < n_acc[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
-    lp = None if lp_width is None else logprobs.block(st, slots, p_logits, emitted, lp_width)
-    return _commit(st, cache, slots, emitted, n_acc, nxt, max_seq_len, lp)
+    lp = None if plan.logprobs is None else logprobs.block(st, slots, p_logits, emitted, plan.logprobs)
+    return _commit(st, cache, slots, emitted, n_acc, nxt, run.max_seq_len, lp)
 
 
-def ar_step(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, st: SlotState,
-            slots: torch.Tensor, all_slots: bool, kv_len: int, filtered: bool, all_greedy: bool,
-            max_seq_len: int, lp_width: int | None = None) -> torch.Tensor:
+def ar_step(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor) -> torch.Tensor:
     """One plain AR step (our baseline) on the same cache and bookkeeping (logprobs as in a cycle)."""
+    model, cache, st = run.model, run.cache, run.state
     n = _write_offsets(cache, st, slots)
     pos = n[:, None]                                                          # [b, 1]
-    view = BlockBatch(None if all_slots else slots, pos, kv_len)
-    hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False, backend=backend)
+    view = BlockBatch(None if plan.all_slots else slots, pos, plan.kv_len)
+    hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False, backend=run.backend)
     logits = model.logits(hidden)                                            # [b, 1, V]
-    if all_greedy:
+    if plan.all_greedy:
         nxt = logits[:, 0].argmax(-1)
     else:
-        p = process(logits, st.sampling(slots, filtered, all_greedy))
+        p = process(logits, st.sampling(slots, plan.filtered, plan.all_greedy))
         nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
-    lp = None if lp_width is None else logprobs.block(st, slots, logits, nxt[:, None], lp_width)
-    return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, max_seq_len, lp)
+    lp = None if plan.logprobs is None else logprobs.block(st, slots, logits, nxt[:, None], plan.logprobs)
+    return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, run.max_seq_len, lp)
+
+
+def settle(run: ModelRunner, slots: torch.Tensor, width: int, lp_width: int | None) -> torch.Tensor:
+    """Pack rows that were complete after their prefill (they take no part in the iteration) in the
+    iteration's layout: their first token, reason and, with ``lp_width``, its logprobs; nothing else."""
+    st = run.state
+    none = torch.zeros((slots.shape[0], width), dtype=torch.long, device=slots.device)   # [d, W]
+    zero = none[:, 0]
+    first = st.first[slots]
+    st.first[slots] = -1
+    packed = pack(none, zero, zero, st.reason[slots], zero.bool(), first)               # [d, W + 5]
+    return packed if lp_width is None else torch.cat([packed, logprobs.first_block(st, slots, width, lp_width)], 1)

@@ -19,24 +19,22 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from orthrus.engine import decode, scheduler
-from orthrus.model.backends import AttentionBackend, choose_backend
-from orthrus.engine.slot_table import SlotTable
-from orthrus.model.cache import RaggedKVCache
-from orthrus.engine.graphs import CycleGraphs, pad_slots
-from orthrus.model.qwen3 import OrthrusForCausalLM
+from orthrus.engine import scheduler
 from orthrus.engine.packed import Packed
-from orthrus.engine.prefix_cache import PrefixIndex
-from orthrus.params import RowStats, SamplingParams
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
-from orthrus.engine.proposer import DiffusionProposer, Proposer
+from orthrus.engine.prefix_cache import PrefixIndex
+from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason, Request, RequestOutput
-from orthrus.engine.staging import HostStaging
+from orthrus.engine.runner import ModelRunner
+from orthrus.engine.slot_table import SlotTable
 from orthrus.engine.stop_strings import StopHit, StopStringScanner
+from orthrus.model.backends import AttentionBackend
+from orthrus.model.cache import RaggedKVCache
+from orthrus.model.qwen3 import OrthrusForCausalLM
+from orthrus.params import RowStats, SamplingParams
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
-KEY_BUCKET = 128   # eager GPU attention: key lengths rounded up to a multiple of this (no token changes)
 ATTENTION_KERNELS = ("auto", "sdpa", "flash")
 SPECULATIVE_MODES = (True, False, "auto")
 
@@ -51,19 +49,22 @@ class OrthrusEngine:
 
     ``attention``: "sdpa" (masked SDPA over a host-known key bound), "flash" (FlashAttention's
     KV-cache kernel, per-row lengths, no mask) or "auto" (flash where it can run: CUDA, fp16/bf16,
-    ``flash_attn`` importable). ``static_shapes``: pad every iteration to a bucket of rows over the
+    ``flash_attn`` importable), or an ``AttentionBackend`` instance. ``static_shapes``: pad every iteration to a bucket of rows over the
     whole cache, so that each is captured once as a CUDA graph and replayed (``graphs.py``); None =
     on for CUDA with flash. On CPU it runs the same static path without capture (for tests).
 
     ``speculative``: True (Orthrus cycles of ``block_size``), False (plain AR, the baseline) or
     ``"auto"`` (per iteration, the block size K, K/2, … or AR step measured fastest at the current
     occupancy; see ``policy.py``). ``tokenizer``: needed for requests with stop strings.
+    ``prefix_cache``: a prompt that starts like one a slot holds copies that K/V instead of
+    computing it (``prefix_cache.py``); lossless; off only to measure it.
 
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
     """
 
     def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
-                 max_seq_len: int | None = None, proposer: Proposer | None = None, attention: str = "auto",
+                 max_seq_len: int | None = None, proposer: Proposer | None = None,
+                 attention: str | AttentionBackend = "auto",
                  static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
                  key_bucket: int | None = None, prefix_cache: bool = True) -> None:
         cfg = model.config
@@ -76,34 +77,17 @@ class OrthrusEngine:
         self.max_batch_size = max_batch_size
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids: tuple[int, ...] = model.eos_token_ids
-        param = next(model.parameters())
-        self.device = param.device
-        attn = model.model.layers[0].self_attn
-        self.cache = RaggedKVCache(cfg.num_hidden_layers, max_batch_size, attn.num_kv_heads,
-                                   self.max_seq_len + self.block_size, attn.head_dim, param.dtype, self.device)
-        # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans (cuDNN)
-        # are built per shape, and the exact length changes almost every iteration. On a CPU the
-        # extra (masked) keys would only cost compute, so lengths stay exact there by default.
-        key_bucket = key_bucket or (KEY_BUCKET if self.device.type == "cuda" else 1)
-        self.backend: AttentionBackend = choose_backend(attention, self.device, param.dtype, attn.num_heads,
-                                                        attn.num_kv_heads, attn.head_dim, key_bucket)
-        self.attention = self.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
-        # Static shapes pay off with flash, which reads only each row's own length; with SDPA every
-        # forward would mask (and, below B rows, gather) the whole capacity, so it is opt-in there.
-        default_static = self.device.type == "cuda" and self.attention == "flash"
-        self.static_shapes = default_static if static_shapes is None else bool(static_shapes)
-        self.graphs = CycleGraphs(self.device)
-        self.proposer: Proposer = proposer if proposer is not None else DiffusionProposer(model)
+        self.runner = ModelRunner.create(model, max_batch_size, self.block_size, self.max_seq_len, attention,
+                                         static_shapes, key_bucket, proposer, len(self.eos_token_ids) + 8)
+        self.device = self.runner.cache.lengths.device
+        self.attention = self.runner.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
+        self.static_shapes = self.runner.static_shapes
         self.speculative = speculative
         # The policy outlives requests: costs are a property of this engine on this device,
         # acceptance of this model on this workload.
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
-        self.state = decode.SlotState(max_batch_size, len(self.eos_token_ids) + 8, self.device, cfg.hidden_size,
-                                      param.dtype)
         self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
-        # Host→device transfers: one copy per admitting step, one per iteration (staging.py).
-        self.admission_staging, self.index_staging = HostStaging(self.device), HostStaging(self.device)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
         self._aborted: list[RequestOutput] = []         # waiting requests aborted, returned next step
@@ -147,10 +131,7 @@ class OrthrusEngine:
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
-        width = len(self.eos_token_ids) + len(params.stop_token_ids)
-        if width > self.state.stop_ids.shape[1]:
-            self.state.widen(width)
-            self.graphs.clear()               # captured graphs hold the old stop-id buffer
+        self.runner.widen_stops(len(self.eos_token_ids) + len(params.stop_token_ids))
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         req = Request(rid, [int(t) for t in prompt_token_ids], params, seed, row=row)
         self._requests[rid] = req
@@ -223,8 +204,7 @@ class OrthrusEngine:
         if self.prefix_index is not None:
             self.prefix_index.clear()
         self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
-        self.state.reset()
-        self.cache.reset()
+        self.runner.reset()
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -267,12 +247,18 @@ class OrthrusEngine:
         slots, self._abort_slots = self._abort_slots, []
         if not slots:
             return []
-        self.state.alive[self._indices(slots)] = False
+        self.runner.kill(np.asarray(slots))
         return [self._output(slot, FinishReason.ABORT, None) for slot in slots]
 
-    def _indices(self, slots) -> torch.Tensor:
-        """Slot indices on the device, through the loop's staging buffer (one non-blocking copy)."""
-        return self.index_staging.stage({"slots": np.asarray(slots, dtype=np.int64)})["slots"]
+    @property
+    def cache(self) -> RaggedKVCache:
+        """The KV cache (plain storage, owned by the runner)."""
+        return self.runner.cache
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend chosen at construction."""
+        return self.runner.backend
 
     def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
         """Free ``slot`` and build its request's output."""
@@ -290,28 +276,46 @@ class OrthrusEngine:
         return req.output(tokens, reason, stop_reason, stats, logprobs=lp)
 
     def _decode(self, slots: np.ndarray) -> list[RequestOutput]:
-        """One cycle (or AR step) over the occupied ``slots`` → the requests that finished in it."""
-        filtered, all_greedy = self.table.flags(slots)
-        if self._mode == "auto" and self.policy is None:
-            self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
-        policy = self.policy if self._mode == "auto" else None
-        k = policy.choose(len(slots)) if policy else (self.block_size if self._mode else AR)
+        """One cycle (or AR step) over the occupied ``slots`` that can still generate, plus the rows
+        admitted this step that their prefill already completed → the requests that finished."""
+        remaining = self.table.remaining(slots)
+        settled, live = slots[remaining <= 0], slots[remaining > 0]
         lp = self.table.logprobs.width(slots)      # None: no row asked, no logprob work or transfer
-        start = time.perf_counter()
-        out = Packed.unpack(self._iterate(self.state, slots, self.table.kv_len(slots), k, filtered, all_greedy, lp),
-                            lp)
-        self.iterations += 1
-        self.busy_slot_iterations += len(slots)
-        done, reasons, tokens, live = self.table.record(slots, out, k)
-        if policy:
-            policy.observe(k, len(slots), time.perf_counter() - start, tokens, live)
+        plan, rows, where, chosen, start = None, live, None, AR, time.perf_counter()
+        if len(live):
+            chosen, (filtered, all_greedy) = self._choose_block(len(live)), self.table.flags(live)
+            # A block longer than any row can still accept is wasted work. Capping it changes a sampled
+            # row's random draws (the draft block's length is part of them), so a seeded row would
+            # depend on its batch-mates' budgets; greedy rows are the same tokens at any block size,
+            # and "auto" already picks the size by occupancy.
+            cap = all_greedy or self._mode == "auto"
+            block = _cap_block(chosen, int(remaining.max())) if cap else chosen
+            plan, rows, where = self.runner.plan(live, block, self.table.kv_len(live), filtered, all_greedy, lp)
+        host = self.runner.iterate(plan, rows, where, settled, lp)
+        out = Packed.unpack(host, lp)
+        order = np.concatenate([live, settled])
+        if plan is not None:
+            self.iterations += 1
+            self.busy_slot_iterations += len(live)
+            self.table.ran_dead[live[~out.alive[: len(live)]]] = True
+        done, reasons, tokens, n_live = self.table.record(order, out, plan.block if plan else AR)
+        if plan is not None and self._mode == "auto" and plan.block == chosen:   # a capped block measures no arm
+            self.policy.observe(chosen, len(live), time.perf_counter() - start, tokens, n_live)
         ended = dict(zip(done.tolist(), reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(slots)
         cut = [s for s in hits if s not in ended]
         if cut:   # rows whose stop string ended them while the device still thinks they run
-            self.state.alive[self._indices(cut)] = False
+            self.runner.kill(np.asarray(cut))
         return [self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
                 for s in sorted(set(ended) | set(hits))]
+
+    def _choose_block(self, occupancy: int) -> int:
+        """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""
+        if self._mode != "auto":
+            return self.block_size if self._mode else AR
+        if self.policy is None:
+            self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
+        return self.policy.choose(occupancy)
 
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
@@ -334,45 +338,29 @@ class OrthrusEngine:
         self.table.admit(free, reqs)
         self._prefill(free, reqs)
 
-    def _iterate(self, st: decode.SlotState, slots: np.ndarray, kv_len: int, k: int, filtered: bool,
-                 all_greedy: bool, lp: int | None) -> np.ndarray:
-        """A cycle with block size ``k`` (or an AR step, k = 0) over the occupied ``slots`` → their
-        packed results (with logprobs of top-k width ``lp`` unless None), on the host."""
-        if not self.static_shapes:
-            packed = self._device_iteration(st, self._indices(slots),
-                                            len(slots) == self.max_batch_size, kv_len, k, filtered, all_greedy, lp)
-            return packed.cpu().numpy()  # SYNC: the one device→host read per iteration
-        padded, where = pad_slots(slots, self.max_batch_size)
-        all_slots, capacity = len(padded) == self.max_batch_size, self.cache.capacity
-        packed = self.graphs.run((k, len(padded), filtered, all_greedy, lp), padded, lambda s: self._device_iteration(
-            st, s, all_slots, capacity, k, filtered, all_greedy, lp))
-        return packed.cpu().numpy()[where]  # SYNC: the one device→host read per iteration
-
-    def _device_iteration(self, st: decode.SlotState, slots_t: torch.Tensor, all_slots: bool, kv_len: int,
-                          k: int, filtered: bool, all_greedy: bool, lp: int | None = None) -> torch.Tensor:
-        """The device work of one iteration over ``slots_t`` → packed result ``[b, W + 5]``, plus the
-        logprob block when ``lp`` is a top-k width (no host reads)."""
-        if k != AR:
-            return decode.speculative_cycle(self.model, self.proposer, self.cache, self.backend, st, slots_t,
-                                            all_slots, kv_len, k, filtered, all_greedy, self.max_seq_len, lp)
-        return decode.ar_step(self.model, self.cache, self.backend, st, slots_t, all_slots, kv_len, filtered,
-                              all_greedy, self.max_seq_len, lp)
-
     def _prefill(self, slots: np.ndarray, reqs: list[Request]) -> None:
         """Load admitted requests into their slots and prefill them, copying every prompt prefix
         some slot holds (the prefix cache) instead of computing it."""
+        run = self.runner
         batch, params, computed = scheduler.admission(slots, reqs, self.prefix_index, self.eos_token_ids,
-                                                      self.state.stop_ids.shape[1], self.cache.capacity,
-                                                      self.admission_staging)
+                                                      run.state.stop_ids.shape[1], run.cache.capacity,
+                                                      run.admission_staging)
         if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
             for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
                 self.prefix_index.add(slot, r.prompt_ids)
-        scheduler.load_slots(self.state, batch.slots, params)
-        decode.prefill(self.model, self.cache, self.backend, self.state, batch, *self.table.flags(slots),
-                       self.max_seq_len, self.table.logprobs.width(slots))
+        scheduler.load_slots(run.state, batch.slots, params)
+        run.prefill(batch, *self.table.flags(slots), self.table.logprobs.width(slots))
         self.prefill_tokens += computed
         self.prefix_cache_hit_tokens += sum(len(r.prompt) for r in reqs) - computed
         self.admitting_steps += 1
+
+
+def _cap_block(block: int, remaining: int) -> int:
+    """A block never longer than the rows can still accept: a cycle of K emits at most K tokens, so
+    with at most ``remaining`` left anywhere K shrinks to it (an AR step when one token is left)."""
+    if block == AR or remaining >= block:
+        return block
+    return remaining if remaining >= 2 else AR
 
 
 class EngineStepError(RuntimeError):
@@ -384,14 +372,14 @@ class EngineStepError(RuntimeError):
         self.cause = cause
 
 
-def _check_sizes(max_batch_size: int, block_size: int, max_seq_len: int, attention: str) -> None:
+def _check_sizes(max_batch_size: int, block_size: int, max_seq_len: int, attention: str | AttentionBackend) -> None:
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {block_size}")
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    if attention not in ATTENTION_KERNELS:
+    if not isinstance(attention, AttentionBackend) and attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
 
 

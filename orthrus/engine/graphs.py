@@ -21,7 +21,7 @@ capture needs; capture then records the same work without running it, so no stat
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
@@ -30,8 +30,7 @@ from orthrus.engine.syncs import note_transfer
 
 from orthrus.engine.policy import SpeculationPolicy
 
-GraphKey = tuple[int, int, bool, bool, int | None]   # (block size or 0 = AR step, rows, filtered, all_greedy,
-                                                   #  logprob top-k width or None = off)
+GraphKey = Hashable   # the iteration's plan itself (runner.IterationPlan): every input that shapes the work
 
 
 def bucket(occupancy: int, num_slots: int) -> int:

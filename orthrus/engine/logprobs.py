@@ -69,7 +69,20 @@ def block(st: SlotState, slots: torch.Tensor, logits: torch.Tensor, emitted: tor
           width: int) -> torch.Tensor:
     """One iteration's logprob block ``[b, (1 + W) * (1 + 2w)]`` int64: the stored first token,
     then the emitted tokens ``[b, W]`` scored by their AR logits ``[b, W, V]``."""
-    lp, top_lp, top_id = gather(logits, emitted, width)
+    return _assemble(st, slots, *gather(logits, emitted, width), width)
+
+
+def first_block(st: SlotState, slots: torch.Tensor, positions: int, width: int) -> torch.Tensor:
+    """The block of rows that emit nothing this iteration (complete after their prefill): the stored
+    first token, then ``positions`` empty positions."""
+    b = slots.shape[0]
+    lp = torch.zeros((b, positions), dtype=torch.float64, device=slots.device)
+    top_id = torch.zeros((b, positions, width), dtype=torch.long, device=slots.device)
+    return _assemble(st, slots, lp, lp[..., None].expand(b, positions, width), top_id, width)
+
+
+def _assemble(st: SlotState, slots: torch.Tensor, lp: torch.Tensor, top_lp: torch.Tensor, top_id: torch.Tensor,
+              width: int) -> torch.Tensor:
     lp = torch.cat([st.first_lp[slots][:, None], lp.to(torch.float64)], 1)                       # [b, 1+W]
     top_lp = torch.cat([st.first_top_lp[slots][:, None, :width], top_lp.to(torch.float64)], 1)  # [b, 1+W, w]
     top_id = torch.cat([st.first_top_id[slots][:, None, :width], top_id], 1)                    # [b, 1+W, w]
