@@ -154,6 +154,11 @@ class EngineKwargs(_Section):
     cuda_graphs: bool = Field(True, description=(
         "On GPU replicas using the flash kernel, pad each decode iteration to static shapes and replay "
         "it as a captured CUDA graph (one launch per cycle). Ignored on CPU and with SDPA."))
+    prefix_cache: bool = Field(True, description=(
+        "A prompt that shares leading blocks of tokens with a prompt some slot holds (the n samples of a "
+        "row, a common system prompt) copies that K/V instead of prefilling it again; only the rest is "
+        "computed. Lossless (the copied K/V is what the prefill would compute): false only to measure it. "
+        "summary.json's prefill section and the live metrics count tokens computed and tokens copied."))
 
     @model_validator(mode="after")
     def _flash_needs_half_precision(self) -> "EngineKwargs":

@@ -35,6 +35,7 @@ def test_defaults_and_overrides(tmp_path):
     assert load_config(f, ["engine.speculative=auto"]).engine.speculative == "auto"
     assert load_config(f, ["prompt.chat_template=off"]).prompt.chat_template == "off"   # YAML bool
     assert cfg.sampling.n == 1 and cfg.prompt.chat_template == "auto"
+    assert cfg.engine.prefix_cache is True and load_config(f, ["engine.prefix_cache=false"]).engine.prefix_cache is False
 
 
 @pytest.mark.parametrize("section, fields, field_path", [
@@ -52,6 +53,7 @@ def test_defaults_and_overrides(tmp_path):
     ("engine", {"dtype": "float8"}, "engine.dtype"),
     ("engine", {"attention": "xformers"}, "engine.attention"),
     ("engine", {"attention": "flash", "dtype": "float32"}, "engine"),
+    ("engine", {"prefix_cache": "x"}, "engine.prefix_cache"),
     ("prompt", {"chat_template": "maybe"}, "prompt.chat_template"),
     ("resources", {"cpus_per_replica": 0}, "resources.cpus_per_replica"),
     ("behaviour", {"resume": True, "overwrite": True}, "behaviour"),

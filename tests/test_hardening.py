@@ -311,14 +311,16 @@ def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
 
 def test_retry_errors_moves_error_rows_out_of_data_keeping_each_key_once(tmp_path, weightless_model):
     from pipeline.config import BehaviourConfig
+    from pipeline.output import stats as St
     from pipeline.output.directory import OutputDir
     from pipeline.output.repair import retry_errors
 
     out = OutputDir(str(tmp_path / "out"))
     out.prepare(BehaviourConfig(), {})
     f = "/in/f.parquet"                                            # ids a, b, c are its rows 0, 1, 2
-    out.commit(pa.table({"id": ["a", "b"], "sample_index": [0, 0], "finish_reason": ["stop", "error"]}),
-               PartSources(1, (f,), np.array([[0, 0, 2]])))
+    first = pa.table({"id": ["a", "b"], "sample_index": [0, 0], "finish_reason": ["stop", "error"]})
+    prefill = {"computed_tokens": 7, "prefix_cache_hit_tokens": 5}          # the engine work of its batches
+    out.commit(first, PartSources(1, (f,), np.array([[0, 0, 2]])), St.of_table(first, prefill))
     out.commit(pa.table({"id": ["c"], "sample_index": [0], "finish_reason": ["length"]}),
                PartSources(1, (f,), np.array([[0, 2, 1]])))
     assert retry_errors(out) == 1
@@ -326,6 +328,7 @@ def test_retry_errors_moves_error_rows_out_of_data_keeping_each_key_once(tmp_pat
     assert [r["id"] for r in pq.read_table(out.root / "retried").to_pylist()] == ["b"]
     done, total, _ = out.done()                                    # resume reads footers: only b's row is left
     assert total["rows"] == 2 and total["error"] == 0 and done.merged()[1] == 0
+    assert total["prefill"] == prefill                             # the rewritten part keeps its counts
     assert done.pending((f,), (3,), 1)[f].samples(np.arange(3)).to_pylist() == [[], [0], []]
     assert retry_errors(out) == 0 and not list(out.tmp.iterdir())
 
@@ -339,7 +342,7 @@ def test_a_resume_with_another_configuration_is_refused_naming_the_changes(tmp_p
     prepared = pre(first)
     prepared.out.prepare(first.behaviour, {"model": str(weightless_model), "fingerprint": fingerprint(first)})
     same = _config(tmp_path, weightless_model, sampling={"temperature": 0.0}, behaviour={"resume": True},
-                   engine={"block_size": 4})                                   # engine settings may change
+                   engine={"block_size": 4, "prefix_cache": False})            # engine settings may change
     pre(same)
     changed = _config(tmp_path, weightless_model, sampling={"temperature": 0.7, "stop": ["x"]},
                       prompt={"chat_template": "off"}, behaviour={"resume": True})

@@ -35,10 +35,11 @@ def _batch(tmp_path, cfg):
     return preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
 
 
-def _stage(cfg, fraction: float = 0.0, row_timeout_s: float | None = None) -> GenerationStage:
+def _stage(cfg, fraction: float = 0.0, row_timeout_s: float | None = None,
+           batch_records: bool = False) -> GenerationStage:
     return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
                                      audit=AuditConfig(fraction=fraction, max_batch_size=2),
-                                     row_timeout_s=row_timeout_s))
+                                     row_timeout_s=row_timeout_s, batch_records=batch_records))
 
 
 # ---------------------------------------------------------------- the audit: selection and comparison
@@ -156,6 +157,65 @@ def test_engine_loop_row_timeout_returns_the_tokens_so_far(tiny_orthrus_dir):
     assert not engine.has_unfinished_requests() and engine.num_running == 0
 
 
+# ---------------------------------------------------------------- prefill counts: batch records and metrics
+
+class _FakeMetric:
+    """Stands in for ray.util.metrics' Counter and Gauge (no Ray): keeps the value per tag set."""
+
+    def __init__(self, name, description="", tag_keys=()):
+        self.name, self.values = name, {}
+
+    def set_default_tags(self, tags):
+        pass
+
+    def inc(self, value, tags=None):
+        key = tuple(sorted((tags or {}).items()))
+        self.values[key] = self.values.get(key, 0) + value
+
+    def set(self, value, tags=None):
+        self.values[tuple(sorted((tags or {}).items()))] = value
+
+
+def test_batch_records_and_metrics_count_prefilled_and_prefix_cache_hit_tokens(tmp_path, tiny_orthrus_dir,
+                                                                              monkeypatch):
+    """Each batch record carries the prompt tokens its actor's engine prefilled (computed) and copied
+    from a slot holding them (hits) since the previous batch: the records add up to the engine's
+    counts, and the n samples of a row share their prompt (hits). The live metrics count the same
+    deltas. ``engine.prefix_cache`` reaches the engine."""
+    import ray.util.metrics
+
+    from pipeline.report.metrics import ActorMetrics
+    from pipeline.rows import schema as S
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", _FakeMetric)
+    monkeypatch.setattr(ray.util.metrics, "Gauge", _FakeMetric)
+    _shard(tmp_path, "a.parquet", id=["a", "b", "c"], prompt=["def a(x):", "def b(y, z):", "def c():"])
+    cfg = _config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"},
+                  sampling={"max_new_tokens": 6, "n": 2}, engine={"max_batch_size": 4})
+    stage = _stage(cfg, batch_records=True)
+    stage.metrics = ActorMetrics("test")
+    batch = _batch(tmp_path, cfg)
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in batch["__request"].to_pylist())
+    records = [r for _ in range(2) for r in asyncio.run(stage(batch))[S.BATCH].drop_null().to_pylist()]
+    assert len(records) == 2
+    computed = sum(r["prefill"]["computed_tokens"] for r in records)
+    hits = sum(r["prefill"]["prefix_cache_hit_tokens"] for r in records)
+    assert computed + hits == 2 * prompt_tokens                       # every admitted prompt token, once
+    assert (computed, hits) == (stage.engine.prefill_tokens, stage.engine.prefix_cache_hit_tokens)
+    assert computed > 0 and hits > 0
+    assert [r["occupancy"]["slots"] for r in records] == [4, 4]
+    assert records[1]["occupancy"]["end"]["iterations"] >= records[1]["occupancy"]["arrival"]["iterations"] > 0
+    m = stage.metrics
+    assert (m.prefill.values[()], m.hits.values.get((), 0)) == (computed, hits)
+    assert m.hit_rate.values[()] == pytest.approx(hits / (computed + hits))
+    import pipeline.actor.stage as stage_module
+
+    built, engine = [], stage_module.OrthrusEngine
+    monkeypatch.setattr(stage_module, "OrthrusEngine", lambda *a, **kw: built.append(kw["prefix_cache"]) or engine(*a, **kw))
+    _stage(_config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"}, engine={"prefix_cache": False}))
+    assert built == [False]
+
+
 # ---------------------------------------------------------------- progress and the summary's table
 
 def test_progress_log_lines_have_count_rate_and_eta():
@@ -177,9 +237,10 @@ def test_progress_bar_on_a_terminal():
     assert "8/8" in stream.getvalue() and "99 tok/s" in stream.getvalue()
 
 
-def test_summary_table_shows_audit_and_cost():
+def test_summary_table_shows_audit_cost_and_prefill():
     summary = {"rows": {"total": 2, "ok": 2, "error": 0, "finish_reason": {"length": 2}},
                "tokens": {"prompt": 4, "completion": 20},
+               "prefill": {"computed_tokens": 3000, "prefix_cache_hit_tokens": 1000, "prefix_cache_hit_rate": 0.25},
                "speculation": {"tokens_per_cycle": {"mean_per_row": 2.0, "token_weighted": 2.0, "pooled": 2.0,
                                                     "tpf_pooled": 1.0},
                                "accepted_draft_tokens": 5, "draft_tokens": 10, "draft_acceptance_rate": 0.5,
@@ -194,6 +255,10 @@ def test_summary_table_shows_audit_and_cost():
     assert "audit          2 greedy rows re-decoded with plain AR: 1 exact, 1 diverged (first differing token at " \
            "index 4..4, median 4)" in text
     assert "cost           20 GPU-seconds held (8 busy) = 3,600 tokens per GPU-hour" in text
+    assert "prefill        3,000 prompt tokens computed, 1,000 copied by the prefix cache (25% hits)" in text
+    unknown = {**summary, "prefill": {"computed_tokens": None, "prefix_cache_hit_tokens": None,
+                                      "prefix_cache_hit_rate": None}}   # parts written without the counts
+    assert "prefill " not in render_table(unknown, "out")
 
 
 def test_an_exclusive_group_runs_alone_on_the_device_audit_engine_included(tiny_orthrus_dir):

@@ -1,8 +1,9 @@
 """Watching and bounding a run end to end on a real local Ray head (one head for the module).
 
 - a job submitted with ``ray job submit``: the lossless audit (float32: every audited row equals
-  plain AR), per-row times, the cost section, the progress lines, and the actors' live metrics read
-  back from the node's Prometheus endpoint;
+  plain AR), per-row times, the cost section, the prefill counts (prompts shared by two rows are
+  prefix-cache hits), the progress lines, and the actors' live metrics read back from the node's
+  Prometheus endpoint;
 - ``behaviour.row_timeout_s``: rows that run too long become error rows, rows in == rows out;
 - ``behaviour.max_wall_seconds``: the job stops cleanly (exit 1, complete parts, a hint), and
   ``--resume`` finishes it exactly once.
@@ -61,9 +62,8 @@ def _wait_for_metrics(url: str, done, timeout: float = 60) -> dict:
 
 def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_path):
     ids = [f"row-{i}" for i in range(24)]
-    for s in range(2):
-        _shard(tmp_path / "in" / f"s{s}.parquet", id=ids[s::2], prompt=[f"def {i.replace('-', '_')}(x, y):"
-                                                                      for i in ids[s::2]])
+    for s in range(2):       # each shard's rows in pairs sharing a prompt: the second one's is a prefix-cache hit
+        _shard(tmp_path / "in" / f"s{s}.parquet", id=ids[s::2], prompt=[f"def f{s}_{k // 2}(x, y):" for k in range(12)])
     job = _config(tmp_path, BUNDLED, sampling={"max_new_tokens": 24, "stop": ["\ndef "]},
                   engine={"batch_size": 4, "max_batch_size": 4}, audit={"fraction": 0.5})
     cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--working-dir", str(REPO),
@@ -96,19 +96,31 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     assert cost["tokens_per_device_hour"] == pytest.approx(
         run["completion_tokens"] / cost["device_seconds_reserved"] * 3600, rel=0.01)
 
+    # prefill: each row's prompt tokens computed or copied from a slot holding them, once (no retries here)
+    prefill = summary["prefill"]
+    computed, hits = prefill["computed_tokens"], prefill["prefix_cache_hit_tokens"]
+    assert computed > 0 and hits > 0 and computed + hits == sum(r["num_prompt_tokens"] for r in rows)
+    assert prefill["prefix_cache_hit_rate"] == pytest.approx(hits / (computed + hits))
+    assert f"prefill        {computed:,} prompt tokens computed, {hits:,} copied by the prefix cache" in proc.stdout
+
     # one progress display: our lines, no Ray Data operator bars
     assert "[orthrus] progress 24/24 rows (100.0%)" in proc.stdout
 
     # live metrics, read back from the node's Prometheus endpoint
     tokens = sum(r["num_completion_tokens"] for r in rows)
     got = _wait_for_metrics(head["metrics"], lambda m: m["ray_orthrus_rows_total"]["ok"] >= 24
-                            and m["ray_orthrus_completion_tokens_total"][""] >= tokens)
+                            and m["ray_orthrus_completion_tokens_total"][""] >= tokens
+                            and m["ray_orthrus_prefill_tokens_total"][""] >= computed
+                            and m["ray_orthrus_prefix_cache_hit_tokens_total"][""] >= hits)
     assert got["ray_orthrus_rows_total"]["ok"] == 24 and got["ray_orthrus_rows_total"].get("error", 0) == 0
     assert got["ray_orthrus_completion_tokens_total"][""] == tokens
     assert got["ray_orthrus_audit_rows_total"]["match"] == len(audited)
     assert got["ray_orthrus_accepted_draft_tokens_total"][""] == summary["speculation"]["accepted_draft_tokens"]
     assert 1.0 <= got["ray_orthrus_tokens_per_cycle"][""] / 2 <= 8.0    # two actors' gauges, summed
     assert 0 < got["ray_orthrus_slot_occupancy"][""] <= 2.0
+    assert got["ray_orthrus_prefill_tokens_total"][""] == computed
+    assert got["ray_orthrus_prefix_cache_hit_tokens_total"][""] == hits
+    assert 0 < got["ray_orthrus_prefix_cache_hit_rate"][""] <= 2.0     # two actors' gauges, summed
 
 
 def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tmp_path):

@@ -276,21 +276,27 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     from pipeline.rows import schema as S
     from pipeline.report.throughput import ThroughputTracker
 
-    def block(call: str, tokens: int, occupancy: list[int], started: float | None = None) -> pa.Table:
+    def block(call: str, tokens: int, occupancy: dict | None, started: float | None = None) -> pa.Table:
         record = {"actor": "a", "gpu_ids": "", "call_id": call, "rows": 2, "tokens": 2 * tokens, "seconds": 1.0,
                   "started": started, "occupancy": occupancy}
         return pa.table({S.BATCH: pa.array([record, None], S.BATCH_RECORD)})
+
+    def occ(iterations: tuple[int, int], busy: tuple[int, int], slots: int, engine_ms: tuple[int, int]) -> dict:
+        """Engine counters at arrival and at the end (schema.OCCUPANCY)."""
+        at = lambda i: {"iterations": iterations[i], "busy_slot_iterations": busy[i],  # noqa: E731
+                        "engine_ms": engine_ms[i]}
+        return {"slots": slots, "arrival": at(0), "end": at(1)}
 
     tracker = ThroughputTracker()
     start = time.time()
     assert tracker.startup_seconds(start) is None and tracker.steady_tokens_per_second() is None
     time.sleep(0.2)
-    # engine counters [iterations, busy slot-iterations] at arrival, then at the end, then 4 slots:
-    # 10 iterations with all 4 slots busy between the two arrivals, then a drain at 1 slot busy
-    # then the engine's busy milliseconds at arrival and at the end (the two calls overlap)
-    tracker.add(block("c1", 50, [0, 0, 12, 48, 4, 0, 900]))     # the first block's tokens are startup's
+    # engine counters (iterations, busy slot-iterations) at arrival and at the end, 4 slots:
+    # 10 iterations with all 4 slots busy between the two arrivals, then a drain at 1 slot busy;
+    # and the engine's busy milliseconds at arrival and at the end (the two calls overlap)
+    tracker.add(block("c1", 50, occ((0, 12), (0, 48), 4, (0, 900))))     # the first block's tokens are startup's
     time.sleep(0.2)
-    tracker.add(block("c2", 10, [10, 40, 20, 58, 4, 700, 1500]))
+    tracker.add(block("c2", 10, occ((10, 20), (40, 58), 4, (700, 1500))))
     assert tracker.startup_seconds(start) >= 0.2
     assert 20 / 0.5 < tracker.steady_tokens_per_second() <= 20 / 0.2
     assert tracker.report()[0]["busy_seconds"] == 1.5 and tracker.total_tokens == 120
@@ -298,9 +304,9 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     # with the actors' batch start times: steady = all tokens from the first batch's start on
     timed = ThroughputTracker()
     begin = time.time()
-    timed.add(block("c1", 50, [0, 0, 12, 48, 4, 0, 900], started=begin + 0.1))
-    timed.add(block("c2", 10, [10, 40, 20, 58, 4, 700, 1500], started=begin + 0.05))
+    timed.add(block("c1", 50, occ((0, 12), (0, 48), 4, (0, 900)), started=begin + 0.1))
+    timed.add(block("c2", 10, occ((10, 20), (40, 58), 4, (700, 1500)), started=begin + 0.05))
     time.sleep(0.3)
-    timed.add(block("c3", 0, [], started=begin + 0.3))
+    timed.add(block("c3", 0, None, started=begin + 0.3))
     assert 0.04 < timed.startup_seconds(begin) < 0.06
     assert 120 / 0.5 < timed.steady_tokens_per_second() <= 120 / 0.25

@@ -17,6 +17,7 @@ from pipeline.rows.checks import bucket_of, check_ids, overlapping, FileIds
 from pipeline.rows.inputs import inspect_inputs
 from pipeline.rows.schema import OUTPUT_FIELDS, output_schema, to_output_table
 from pipeline.rows.source import InputFileError, ReadSpec, read_row_group, row_group_tasks
+from pipeline.report.summary import statistics
 from pipeline.run.commit import input_error
 
 
@@ -153,7 +154,9 @@ def test_part_writer_streams_blocks_into_parts_by_size_and_keeps_a_footer(tmp_pa
         rows = np.repeat(np.arange(block * 8, block * 8 + 8), 2)
         table = to_output_table(pa.table({"id": [f"r{r}" for r in rows], "sample_index": np.tile([0, 1], 8),
                                           "finish_reason": ["stop"] * 16, "completion": ["x" * 100] * 16}), schema)
-        writer.add(table, np.full(16, block % 2), rows, np.tile([0, 1], 8))
+        # the engine's prefill counts of the block's batches (none in every fourth block: unknown)
+        prefill = {"computed_tokens": 10, "prefix_cache_hit_tokens": 6} if block % 4 else None
+        writer.add(table, np.full(16, block % 2), rows, np.tile([0, 1], 8), prefill=prefill)
         if writer.due():
             committed += writer.commit()
     assert 0 < len(out.part_files()) < 40 and not writer.seconds_left() is None
@@ -164,6 +167,12 @@ def test_part_writer_streams_blocks_into_parts_by_size_and_keeps_a_footer(tmp_pa
     assert footer.stats["rows"] == footer.sources.num_rows == pq.read_metadata(parts[0]).num_rows
     done, total, _ = out.done()
     assert total["rows"] == 640 and done.merged()[1] == 0
+    assert total["prefill"] == {"computed_tokens": 300, "prefix_cache_hit_tokens": 180}   # summed over 30 blocks
+    assert statistics(total, 0, 0.0)["prefill"] == {"computed_tokens": 300, "prefix_cache_hit_tokens": 180,
+                                                   "prefix_cache_hit_rate": 180 / 480}
+    older = {k: v for k, v in total.items() if k != "prefill"}      # a footer written before the counts
+    assert St.merge(older, total)["prefill"] == total["prefill"] and St.merge(older, older)["prefill"] is None
+    assert statistics(St.merge(older, older), 0, 0.0)["prefill"]["computed_tokens"] is None
     left = done.pending(("/in/a", "/in/b"), (320, 320), 2)            # file a got the even blocks, b the odd
     assert left["/in/a"].samples(np.arange(16)).to_pylist() == [[]] * 8 + [[0, 1]] * 8
     assert left["/in/b"].samples(np.arange(16)).to_pylist() == [[0, 1]] * 8 + [[]] * 8

@@ -54,14 +54,30 @@ class _Group:
     ids: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """Prompt tokens the engine prefilled (computed) and copied from a slot holding them instead
+    (the prefix cache); the fields of ``schema.PREFILL``."""
+
+    computed_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    def since(self, earlier: Prefill) -> Prefill:
+        """The tokens counted after ``earlier`` (both cumulative counts of one engine)."""
+        return Prefill(max(0, self.computed_tokens - earlier.computed_tokens),
+                       max(0, self.prefix_cache_hit_tokens - earlier.prefix_cache_hit_tokens))
+
+
 @dataclass
 class Occupancy:
-    """Engine counters, for slot occupancy = busy_slot_iterations / (iterations x slots)."""
+    """The main engine's counters since the actor started: slot occupancy = busy_slot_iterations /
+    (iterations x slots), its busy time, and its prefilled prompt tokens."""
 
     iterations: int
     busy_slot_iterations: int
     slots: int
     engine_ms: int               # wall time spent inside engine steps (the actor's busy time)
+    prefill: Prefill = field(default_factory=Prefill)
 
 
 class EngineLoop:
@@ -89,7 +105,8 @@ class EngineLoop:
     def occupancy(self) -> Occupancy:
         """A snapshot of the engine's counters (plain ints; racy reads are fine for statistics)."""
         e = self.engine
-        return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000))
+        return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000),
+                         Prefill(e.prefill_tokens, e.prefix_cache_hit_tokens))
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams],
                   exclusive: bool = False, engine: str = MAIN) -> list[RequestOutput]:

@@ -24,7 +24,7 @@ import hashlib
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import torch
@@ -35,7 +35,7 @@ from pipeline.rows.errors import ERROR, row_error
 from pipeline.rows.request import REQUEST, from_arrow
 from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
-from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy
+from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy, Prefill
 from pipeline.actor.faults import FAULT_ENV, FaultInjector
 from pipeline.report.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
@@ -90,6 +90,7 @@ class GenerationStage:
         self.actor, self.gpu_ids = _actor_identity()
         self.metrics = _actor_metrics(self.actor)
         self.total_tokens = 0
+        self.prefill_reported = Prefill()   # the engine's prefill counts at the previous batch's end
         self.faults = FaultInjector.parse(plan.fault_inject)
         if self.faults:
             print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={plan.fault_inject!r}); test-only",
@@ -102,7 +103,7 @@ class GenerationStage:
         e = self.plan.engine
         return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
-                             speculative=speculative, tokenizer=self.tokenizer)
+                             speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache)
 
     async def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
                         ) -> list[RequestOutput | Exception]:
@@ -180,13 +181,15 @@ class GenerationStage:
                 if isinstance(results[i], RequestOutput) and r is not None and r.finish_reason != "abort":
                     audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
-        table = self._assemble(batch, results, errors, params, audits, (started, seconds),
-                               (arrival, self.loop.occupancy()))
-        table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
         end = self.loop.occupancy()
+        # Prefill counts since the previous batch's end (not since this one's arrival: batches
+        # overlap), so this actor's batches add up to its engine's counts.
+        prefill, self.prefill_reported = end.prefill.since(self.prefill_reported), end.prefill
+        table = self._assemble(batch, results, errors, params, audits, (started, seconds), (arrival, end), prefill)
+        table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
         if self.metrics is not None:
             try:
-                self.metrics.record(table, end.iterations, end.busy_slot_iterations, end.slots)
+                self.metrics.record(table, end, prefill)
             except Exception as e:  # noqa: BLE001 - metrics are for watching; they never fail a finished batch
                 print(f"[orthrus] actor {self.actor}: could not update metrics: {type(e).__name__}: {e}", flush=True)
         self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
@@ -225,7 +228,7 @@ class GenerationStage:
 
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], params: list,
                   audits: dict[int, int | None], call_time: tuple[float, float],
-                  occupancy: tuple[Occupancy, Occupancy]) -> pa.Table:
+                  occupancy: tuple[Occupancy, Occupancy], prefill: Prefill) -> pa.Table:
         """The batch's rows with the generation columns (the processor's contract, ``schema.GENERATED``)."""
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
@@ -245,7 +248,7 @@ class GenerationStage:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
                   "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
-                  "occupancy": _flat(occupancy)}
+                  "occupancy": _occupancy_record(*occupancy), "prefill": asdict(prefill)}
         # One record per batch, on its first row: the driver reads the few non-null ones.
         return table.append_column(pa.field(S.BATCH, S.BATCH_RECORD),
                                    pa.array(([record] + [None] * (n - 1)) if n else [], S.BATCH_RECORD))
@@ -301,9 +304,8 @@ def _actor_metrics(actor: str) -> ActorMetrics | None:
     return ActorMetrics(actor) if ray.is_initialized() else None
 
 
-def _flat(occupancy: tuple[Occupancy, Occupancy]) -> list[int]:
-    """Engine counters at a batch's arrival and at its end:
-    [iters, busy slot-iters] x 2, slots, engine ms at arrival, engine ms at the end."""
-    start, end = occupancy
-    return [start.iterations, start.busy_slot_iterations, end.iterations, end.busy_slot_iterations, end.slots,
-            start.engine_ms, end.engine_ms]
+def _occupancy_record(arrival: Occupancy, end: Occupancy) -> dict:
+    """Engine counters at a batch's arrival and at its end (``schema.OCCUPANCY``)."""
+    at = lambda o: {"iterations": o.iterations, "busy_slot_iterations": o.busy_slot_iterations,  # noqa: E731
+                    "engine_ms": o.engine_ms}
+    return {"slots": end.slots, "arrival": at(arrival), "end": at(end)}

@@ -293,10 +293,12 @@ def _example_duplicate(footers: list[Footer], fs) -> str:
     return "unknown"
 
 
-def replace_part(out: OutputDir, part: str, keep: pa.Table, sources: PartSources) -> None:
+def replace_part(out: OutputDir, part: str, keep: pa.Table, sources: PartSources,
+                 prefill: dict | None = None) -> None:
     """Rewrite a committed part with only ``keep``'s rows (and their ``sources``) in one atomic step
     (a rename over it, or one PUT; deleted if ``keep`` is empty). It keeps its name and, locally,
-    its commit time, so commit order stays."""
+    its commit time, so commit order stays, and the engine's ``prefill`` counts of the part it
+    replaces (work done by the batches it came from; ``stats.of_table``)."""
     try:
         times = out.store.times(part)
         if not keep.num_rows:
@@ -304,7 +306,7 @@ def replace_part(out: OutputDir, part: str, keep: pa.Table, sources: PartSources
             return
     except STORE_ERRORS as e:
         raise out.failed(f"part file {part.rsplit('/', 1)[-1]}", e) from e
-    out.commit(keep, sources, dest=part, times_ns=times)
+    out.commit(keep, sources, St.of_table(keep, prefill), dest=part, times_ns=times)
 
 
 def archive(out: OutputDir, name: str, table: pa.Table) -> str:

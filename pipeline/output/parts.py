@@ -87,15 +87,17 @@ class PartWriter:
         self._opened_at: float | None = None
         self.rows = 0
 
-    def add(self, table: pa.Table, file_index: np.ndarray, rows: np.ndarray, samples: np.ndarray) -> None:
-        """Append output rows (already in the output schema) and their coordinates."""
+    def add(self, table: pa.Table, file_index: np.ndarray, rows: np.ndarray, samples: np.ndarray,
+            prefill: dict | None = None) -> None:
+        """Append output rows (already in the output schema), their coordinates, and the prefill
+        counts of the batches they came from (``stats.prefill_of_block``)."""
         if not table.num_rows:
             return
         if self._open is None:
             self._open = _Open(self.out, self.out.new_part_path(), self.schema)
             self._opened_at = time.monotonic()
         self._coords.append((np.asarray(file_index, np.int64), np.asarray(rows, np.int64) * self.n + samples))
-        self._stats = St.merge(self._stats, St.of_table(table))
+        self._stats = St.merge(self._stats, St.of_table(table, prefill))
         self._buffer.append(table)
         self._buffered += table.nbytes
         self.rows += table.num_rows

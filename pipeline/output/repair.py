@@ -25,6 +25,11 @@ from pipeline.tasks import map_tasks
 __all__ = ["RETRIED_DIR", "dedupe", "retry_errors"]
 
 
+def _prefill(footer) -> dict | None:
+    """The engine's prefill counts in a part's footer: a rewrite keeps them (``stats.of_table``)."""
+    return (footer.stats or {}).get("prefill")
+
+
 def _overlaps(footers) -> list[tuple[str, dict[str, np.ndarray]]]:
     """(part, {file: flat ranges committed earlier}) for each part holding a coordinate twice.
 
@@ -50,7 +55,8 @@ def _dedupe_part(out: OutputDir, part: str, drop: dict[str, np.ndarray]) -> int:
     """Drop the rows of ``part`` committed earlier (``drop``) or earlier in the part → rows removed."""
     from pipeline.output.directory import read_footer
 
-    sources = read_footer(part, out.fs).sources
+    footer = read_footer(part, out.fs)
+    sources = footer.sources
     table = out.read_part(part)
     files, flat = sources.coordinates()
     keep = np.ones(len(flat), bool)
@@ -67,7 +73,7 @@ def _dedupe_part(out: OutputDir, part: str, drop: dict[str, np.ndarray]) -> int:
     keep &= once
     if keep.all():
         return 0
-    replace_part(out, part, table.filter(pa.array(keep)), sources.keep(keep))
+    replace_part(out, part, table.filter(pa.array(keep)), sources.keep(keep), _prefill(footer))
     return int((~keep).sum())
 
 
@@ -82,7 +88,8 @@ def _retry_part(out: OutputDir, part: str, run_id: str) -> int:
     """Move ``part``'s error rows to ``retried/`` and rewrite it without them → rows moved."""
     from pipeline.output.directory import read_footer
 
-    sources = read_footer(part, out.fs).sources
+    footer = read_footer(part, out.fs)
+    sources = footer.sources
     table = out.read_part(part)
     failed = np.asarray(pc.fill_null(pc.equal(table["finish_reason"], "error"), False).to_numpy(zero_copy_only=False))
     if not failed.any():
@@ -91,7 +98,7 @@ def _retry_part(out: OutputDir, part: str, run_id: str) -> int:
     # the record again, under its own run id), then the part without them.
     stem = part.rsplit("/", 1)[-1].removesuffix(".parquet")
     archive(out, f"{stem}.{run_id}.parquet", table.filter(pa.array(failed)))
-    replace_part(out, part, table.filter(pa.array(~failed)), sources.keep(~failed))
+    replace_part(out, part, table.filter(pa.array(~failed)), sources.keep(~failed), _prefill(footer))
     return int(failed.sum())
 
 

@@ -1,8 +1,10 @@
 """A part's aggregates, kept in its footer, so the summary never reads a row.
 
 ``of_table`` computes them from output rows (vectorised; the driver does it once per block it
-commits), ``merge`` adds two of them (every field is a sum, a count map, a bounded list or a
-mergeable sketch), and ``report/summary.py`` turns the merged record into ``summary.json``.
+commits), plus the engine's prefill counts its batch records carried (``prefill_of_block``: not a
+property of rows, so it rides on the block), ``merge`` adds two of them (every field is a sum, a
+count map, a bounded list or a mergeable sketch), and ``report/summary.py`` turns the merged record
+into ``summary.json``.
 Row times are kept as log-bucketed sketches (1% relative error on quantiles, exact min and max):
 a fixed-size, mergeable stand-in for every row's time.
 """
@@ -15,12 +17,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.rows import schema as S
+
 STATS_KEY = b"orthrus.stats"
 EXAMPLES = 5
 _GAMMA = 1.02            # sketch bucket ratio: quantiles within ~1%
 _SUMS = ("num_prompt_tokens", "num_completion_tokens", "num_tokens_after_stop", "num_cycles",
          "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens")
 TIME_COLUMNS = ("time_waiting_s", "time_in_engine_s")
+PREFILL_FIELDS = tuple(f.name for f in S.PREFILL)   # computed_tokens, prefix_cache_hit_tokens
 
 
 def _sum(col) -> int:
@@ -106,8 +111,26 @@ def _audit(table: pa.Table) -> dict:
             "divergence_at": {str(k): where.count(k) for k in set(where)}, "diverged_examples": examples}
 
 
-def of_table(table: pa.Table) -> dict:
-    """The aggregates of some output rows."""
+def prefill_of_block(block: pa.Table) -> dict | None:
+    """The prefill counts (``schema.PREFILL``) summed over a block's batch records; None when no
+    record carries them (a stage without engine counters)."""
+    if S.BATCH not in block.column_names:
+        return None
+    prefill = pc.struct_field(block[S.BATCH], "prefill")
+    if not pc.count(prefill).as_py():
+        return None
+    return {name: _sum(pc.struct_field(prefill, name)) for name in PREFILL_FIELDS}
+
+
+def _add_prefill(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {name: a[name] + b[name] for name in PREFILL_FIELDS}
+
+
+def of_table(table: pa.Table, prefill: dict | None = None) -> dict:
+    """The aggregates of some output rows, with the prefill counts of the batches that made them
+    (``prefill_of_block``; None: unknown)."""
     reason = _column(table, "finish_reason", pa.string())
     is_error = pc.fill_null(pc.equal(reason, "error"), False)
     ok, errors = table.filter(pc.invert(is_error)), table.filter(is_error)
@@ -121,7 +144,7 @@ def of_table(table: pa.Table) -> dict:
             "after_stop_known": "num_tokens_after_stop" in table.column_names,
             "speculation": _speculation(ok), "histogram": _histogram(_column(ok, "accept_length_histogram",
                                                                               pa.list_(pa.int64()))),
-            "times": times, "audit": _audit(table),
+            "times": times, "audit": _audit(table), "prefill": prefill,
             "error_examples": [{"id": i, "error": e} for i, e in zip(
                 _column(errors, "id", pa.string()).slice(0, EXAMPLES).to_pylist(),
                 _column(errors, "error", pa.string()).slice(0, EXAMPLES).to_pylist())]}
@@ -156,6 +179,7 @@ def merge(a: dict, b: dict) -> dict:
                       "divergence_at": _add_maps(a["audit"]["divergence_at"], b["audit"]["divergence_at"]),
                       "diverged_examples": (a["audit"]["diverged_examples"]
                                             + b["audit"]["diverged_examples"])[:EXAMPLES]},
+            "prefill": _add_prefill(a.get("prefill"), b.get("prefill")),    # absent from older footers
             "error_examples": (a["error_examples"] + b["error_examples"])[:EXAMPLES]}
 
 

@@ -13,15 +13,23 @@ updates them when a batch is done, from the rows it is about to return, tagged w
     orthrus_tokens_per_cycle                   accepted drafts + 1 per cycle, this actor so far (gauge)
     orthrus_draft_acceptance                   accepted / proposed drafts, this actor so far (gauge)
     orthrus_slot_occupancy                     busy slots / slots since the previous batch ended (gauge)
+    orthrus_prefill_tokens                     prompt tokens computed by prefills (counter)
+    orthrus_prefix_cache_hit_tokens            prompt tokens copied from a slot holding them instead (counter)
+    orthrus_prefix_cache_hit_rate              hit / (hit + computed) prompt tokens, this actor so far (gauge)
     orthrus_audit_rows{result=match|diverged}  rows re-decoded by the lossless audit (counter)
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import tokens_per_cycle
-from pipeline.report.summary import column_sum
+from pipeline.report.summary import column_sum, prefix_cache_hit_rate
+
+if TYPE_CHECKING:
+    from pipeline.actor.engine_loop import Occupancy, Prefill
 
 
 class ActorMetrics:
@@ -51,11 +59,17 @@ class ActorMetrics:
         self.tpc = gauge("orthrus_tokens_per_cycle", "Accepted drafts + 1 per cycle, this actor so far.")
         self.acceptance = gauge("orthrus_draft_acceptance", "Accepted / proposed draft tokens, this actor so far.")
         self.occupancy = gauge("orthrus_slot_occupancy", "Busy engine slots / slots since the previous batch.")
+        self.prefill = counter("orthrus_prefill_tokens", "Prompt tokens computed by prefills.")
+        self.hits = counter("orthrus_prefix_cache_hit_tokens",
+                            "Prompt tokens copied from a slot holding them instead of prefilled.")
+        self.hit_rate = gauge("orthrus_prefix_cache_hit_rate",
+                              "Prefix-cache hit / (hit + computed) prompt tokens, this actor so far.")
         self._totals = [0, 0, 0]            # cycles, drafts, accepted (this actor)
         self._last: tuple[int, int] | None = None   # (iterations, busy slot-iterations) at the last record
 
-    def record(self, table: pa.Table, iterations: int, busy_slot_iterations: int, slots: int) -> None:
-        """Add a finished batch (the output rows, after detokenization) and the engine counters now."""
+    def record(self, table: pa.Table, engine: Occupancy, prefill: Prefill) -> None:
+        """Add a finished batch: its output rows (after detokenization), the engine's counters now
+        (cumulative), and the prompt tokens prefilled since the previous batch ended."""
         ok = table.filter(pc.not_equal(table["finish_reason"], "error"))
         if ok.num_rows:
             self.rows.inc(ok.num_rows, tags={"status": "ok"})
@@ -78,6 +92,13 @@ class ActorMetrics:
             if count:
                 self.audit.inc(count, tags={"result": result})
         start = self._last or (0, 0)
-        if iterations > start[0]:
-            self.occupancy.set((busy_slot_iterations - start[1]) / ((iterations - start[0]) * slots))
-        self._last = (iterations, busy_slot_iterations)
+        if engine.iterations > start[0]:
+            busy, iterations = engine.busy_slot_iterations - start[1], engine.iterations - start[0]
+            self.occupancy.set(busy / (iterations * engine.slots))
+        self._last = (engine.iterations, engine.busy_slot_iterations)
+        for metric, value in ((self.prefill, prefill.computed_tokens), (self.hits, prefill.prefix_cache_hit_tokens)):
+            if value:
+                metric.inc(value)
+        rate = prefix_cache_hit_rate(engine.prefill.computed_tokens, engine.prefill.prefix_cache_hit_tokens)
+        if rate is not None:
+            self.hit_rate.set(rate)

@@ -39,6 +39,21 @@ def column_sum(col: pa.ChunkedArray) -> int:
     return int(pc.sum(col).as_py() or 0)
 
 
+def prefix_cache_hit_rate(computed_tokens: int, hit_tokens: int) -> float | None:
+    """The share of prompt tokens the prefix cache copied instead of prefilling (None: none yet)."""
+    total = computed_tokens + hit_tokens
+    return hit_tokens / total if total else None
+
+
+def _prefill(prefill: dict | None) -> dict:
+    """``summary.json["prefill"]``: the engines' prompt tokens computed and copied (None: unknown)."""
+    if prefill is None:
+        return {"computed_tokens": None, "prefix_cache_hit_tokens": None, "prefix_cache_hit_rate": None}
+    computed, hits = prefill["computed_tokens"], prefill["prefix_cache_hit_tokens"]
+    return {"computed_tokens": computed, "prefix_cache_hit_tokens": hits,
+            "prefix_cache_hit_rate": prefix_cache_hit_rate(computed, hits)}
+
+
 def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
     """Counts, tokens, speculation, row times, errors and the audit, from merged part aggregates
     (``output/stats.py``): the summary never reads a row."""
@@ -54,6 +69,9 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
         "tokens": {"prompt": sums["num_prompt_tokens"], "completion": sums["num_completion_tokens"],
                    # decoded past a stop string before the row ended (at most one block per row)
                    "decoded_after_stop": sums["num_tokens_after_stop"] if total["after_stop_known"] else None},
+        # prompt tokens the generation engines prefilled and copied from a slot holding them (the
+        # prefix cache), summed over the batches committed in data/ (engine work: retries included)
+        "prefill": _prefill(total.get("prefill")),
         "speculation": {
             "cycles": sums["num_cycles"], "forward_passes": sums["num_forward_passes"],
             "draft_tokens": drafts, "accepted_draft_tokens": accepted,
@@ -149,6 +167,14 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _prefill_line(prefill: dict | None) -> list[str]:
+    if not prefill or prefill["computed_tokens"] is None:
+        return []
+    return [f"  prefill        {prefill['computed_tokens']:,} prompt tokens computed, "
+            f"{prefill['prefix_cache_hit_tokens']:,} copied by the prefix cache "
+            f"({_fmt(prefill['prefix_cache_hit_rate'] and 100 * prefill['prefix_cache_hit_rate'], '.0f')}% hits)"]
+
+
 def render_table(summary: dict, where: str) -> str:
     """The short table printed when the job ends."""
     rows, tok, spec, run = summary["rows"], summary["tokens"], summary["speculation"], summary["run"]
@@ -158,6 +184,7 @@ def render_table(summary: dict, where: str) -> str:
         f"Orthrus generation summary: {where}",
         f"  rows           {rows['total']} ({rows['ok']} ok, {rows['error']} error; {reasons})",
         f"  tokens         prompt {tok['prompt']:,}  completion {tok['completion']:,}",
+        *_prefill_line(summary.get("prefill")),
         f"  this run       {run['rows_generated']} rows, {run['completion_tokens']:,} tokens in "
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",

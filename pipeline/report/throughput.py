@@ -26,9 +26,9 @@ class ThroughputTracker:
         self._first: tuple[float, int] | None = None     # (time, total tokens) at the first block
         self._last = 0.0
         self._first_call: float | None = None            # wall clock at which an actor first got a batch
-        # per actor, the calls that bound its windows (first and last arrival, latest end; see
-        # stage._flat), not every call: the driver's memory grows with actors, not batches
-        self._occupancy: dict[str, list[list[int]]] = defaultdict(list)
+        # per actor, the calls' occupancy records (schema.OCCUPANCY) that bound its windows (first
+        # and last arrival, latest end), not every call: the driver's memory grows with actors, not batches
+        self._occupancy: dict[str, list[dict]] = defaultdict(list)
         self._engine_ms: dict[str, tuple[int, int]] = {}
 
     def add(self, block: pa.Table) -> None:
@@ -53,18 +53,21 @@ class ThroughputTracker:
         if self._first is None:
             self._first = (self._last, self.total_tokens)
 
-    def _keep(self, actor: str, c: list[int] | None) -> None:
+    def _keep(self, actor: str, c: dict | None) -> None:
+        """Keep a call's occupancy record (``schema.OCCUPANCY``) if it bounds one of the actor's windows."""
         if not c:
             return
-        if len(c) >= 7:   # engine ms at arrival (5) and at the end (6): the actor's busy window
-            lo, hi = self._engine_ms.get(actor, (c[5], c[6]))
-            self._engine_ms[actor] = (min(lo, c[5]), max(hi, c[6]))
+        arrived, ended = c["arrival"]["engine_ms"], c["end"]["engine_ms"]   # the actor's busy window
+        lo, hi = self._engine_ms.get(actor, (arrived, ended))
+        self._engine_ms[actor] = (min(lo, arrived), max(hi, ended))
         kept = self._occupancy[actor]
         if not kept:
             kept.extend([c, c, c])
             return
         first, last, end = kept
-        kept[:] = [min(first, c, key=lambda x: x[0]), max(last, c, key=lambda x: x[0]), max(end, c, key=lambda x: x[2])]
+        arrival = lambda x: x["arrival"]["iterations"]  # noqa: E731
+        kept[:] = [min(first, c, key=arrival), max(last, c, key=arrival),
+                   max(end, c, key=lambda x: x["end"]["iterations"])]
 
     def startup_seconds(self, start: float) -> float | None:
         """Seconds from ``start`` until an actor got its first batch (Ray, actor start, model load);
@@ -95,10 +98,10 @@ class ThroughputTracker:
             if not calls:
                 continue
             first, last, end = calls
-            slots = first[4]
-            for name, (iters, busy) in (("until_input_ran_out", (last[0], last[1])), ("whole_run", (end[2], end[3]))):
-                window[name][0] += busy - first[1]
-                window[name][1] += (iters - first[0]) * slots
+            start = first["arrival"]
+            for name, until in (("until_input_ran_out", last["arrival"]), ("whole_run", end["end"])):
+                window[name][0] += until["busy_slot_iterations"] - start["busy_slot_iterations"]
+                window[name][1] += (until["iterations"] - start["iterations"]) * first["slots"]
         return {name: (busy / total if total else None) for name, (busy, total) in window.items()}
 
     @property

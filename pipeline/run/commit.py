@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipeline.output import stats as St
 from pipeline.output.parts import PartWriter
 from pipeline.report.progress import Progress
 from pipeline.report.throughput import ThroughputTracker
@@ -59,7 +60,7 @@ class CommitLoop:
         if not block.num_rows:
             return
         coords = [np.asarray(block[c].to_numpy(), np.int64) for c in (S.FILE, S.ROW, "sample_index")]
-        self.writer.add(S.to_output_table(block, self.schema), *coords)
+        self.writer.add(S.to_output_table(block, self.schema), *coords, prefill=St.prefill_of_block(block))
         self.progress.update(block.num_rows, self.tracker.steady_tokens_per_second())
 
     def commit(self) -> None:

@@ -6,7 +6,7 @@ that wrote it; ``--resume`` with a different one is refused, naming each field t
 ``--allow-config-change``. Included: the model, the input columns that make ids and prompts, every
 prompt and sampling setting, and the engine's dtype and context limit (bf16 rounds differently;
 the context limit ends rows). Left out on purpose: the other engine settings (block size,
-speculation mode, slots, batch size) change speed, not the rows' distribution.
+speculation mode, prefix cache, slots, batch size) change speed, not the rows' distribution.
 """
 from __future__ import annotations
 
