@@ -60,3 +60,41 @@ def test_bench_audit_overhead_reports_every_fraction():
     assert set(report["by_fraction"]) == {"0.0", "1.0"} and report["by_fraction"]["0.0"]["x_no_audit"] == 1.0
     full = report["by_fraction"]["1.0"]
     assert full["rows_audited"] == full["exact_matches"] == 6        # float32: every audited row matches
+
+
+def test_bench_prefix_reports_cache_and_short_outputs(tmp_path):
+    from jobs import bench_prefix
+
+    out = tmp_path / "bench_prefix.json"
+    bench_prefix.main(["--rows", "4", "--prefix-tokens", "120", "--slots", "2", "--max-new-tokens", "4", "--reps", "1",
+                       "--short-rows", "24", "--short-slots", "8", "--short-reps", "1", "--no-job",
+                       "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
+    report = json.loads(out.read_text())
+    engine = report["prefix_engine"]
+    assert engine["rows"] == 4 and 0 < engine["shared_prefix_tokens"] <= 120
+    assert 20 <= engine["row_tokens"]["min"] <= engine["row_tokens"]["max"] <= 80
+    assert engine["completions_identical"] is True                       # the cache never changes a token
+    on, off = engine["cache_on"], engine["cache_off"]
+    assert on["prefill_tokens_per_row"] <= off["prefill_tokens_per_row"]
+    assert on["rows_per_s"] > 0 and engine["rows_per_s_on_over_off"] > 0 and engine["prefill_per_row_over_row_part"] > 0
+    short = report["short_outputs"]
+    assert short["rows"] == 24 and short["prompt_tokens"] == 3 and set(short["by_max_new_tokens"]) == {"1", "4"}
+    for cell in short["by_max_new_tokens"].values():
+        assert cell["tokens_identical"] is True and cell["speculative_over_ar"] > 0
+
+
+def test_bench_ab_loads_the_engine_at_a_ref_next_to_the_working_tree(tmp_path):
+    import subprocess
+
+    import pytest
+
+    from jobs import bench_ab
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "bench_ab.json"
+    bench_ab.main(["--before", "HEAD", "--batch-sizes", "2", "--reps", "1", "--max-new-tokens", "4", "--min-rows", "3",
+                   "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"B=2 orthrus", "B=2 ar"} and len(report["before_commit"]) == 40
+    for cell in report["results"].values():
+        assert cell["tokens_identical"] is True and cell["old_tok_s"] > 0 and cell["ratio_of_medians"] > 0

@@ -1,0 +1,152 @@
+"""No workload gets slower: the engine at a git ref and the working tree's engine, side by side in ONE
+process, on the plain benchmark workload (no shared prefixes).
+
+    python -m jobs.bench --only ab                  # --before HEAD; writes bench_ab.json next to --out
+    python -m jobs.bench_ab --before 3e018ee --out bench_ab.json
+
+``orthrus/`` at ``--before`` is extracted with ``git archive`` into a temporary directory as the
+package ``orthrus_before`` (its absolute ``orthrus`` imports rewritten) and imported next to the
+working tree's ``orthrus``; each loads the same checkpoint with its own ``OrthrusForCausalLM``. Per
+batch size B (``--batch-sizes``) and mode (speculative, AR): max(B, ``--min-rows``) held-out prompts
+through B slots, greedy, ``--max-new-tokens`` new tokens, one thread by default; old and new run in
+interleaved pairs (order alternating; the first pair a warm-up). Reported per cell: tokens/s of
+each (medians), new ÷ old as the ratio of medians and as the median of the pair ratios, and whether
+both generated the same tokens (they must: both engines are exact).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import inspect
+import io
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {"orthrus": True, "ar": False}
+_IMPORT = re.compile(r"^(\s*)(from|import)(\s+)orthrus\b", re.M)
+
+
+def load_before(ref: str, repo: Path = REPO, name: str = "orthrus_before"):
+    """``orthrus/`` at git ``ref`` imported as package ``name`` (a fresh temporary copy; ``name_1``,
+    ``name_2``, … if that name is taken) → the module."""
+    base, n = name, 0
+    while name in sys.modules:
+        n += 1
+        name = f"{base}_{n}"
+    tar = subprocess.run(["git", "-C", str(repo), "archive", ref, "orthrus"], check=True, capture_output=True).stdout
+    root = Path(tempfile.mkdtemp(prefix="orthrus-ab-"))
+    atexit.register(shutil.rmtree, root, True)   # kept until exit: the package imports lazily too
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(root)
+    (root / "orthrus").rename(root / name)
+    for py in (root / name).rglob("*.py"):
+        py.write_text(_IMPORT.sub(rf"\1\2\3{name}", py.read_text()))
+    sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root))       # the package stays imported; nothing else resolves there
+
+
+def describe(ref: str, repo: Path = REPO) -> dict:
+    """The commits compared: ``ref`` resolved, and HEAD with whether the working tree's engine differs."""
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    return {"before": ref, "before_commit": git("rev-parse", ref), "head_commit": git("rev-parse", "HEAD"),
+            "orthrus_differs_from_before": bool(git("diff", "--stat", ref, "--", "orthrus"))}
+
+
+def make_engine(pkg, model, b: int, max_seq_len: int):
+    """``pkg.OrthrusEngine`` with B slots, eager, passing only the arguments that version accepts."""
+    kwargs = {"max_batch_size": b, "max_seq_len": max_seq_len, "static_shapes": False}
+    accepted = inspect.signature(pkg.OrthrusEngine).parameters
+    return pkg.OrthrusEngine(model, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def timed(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool) -> tuple[float, list]:
+    """One greedy ``generate`` → (tokens/s, the token ids)."""
+    params = [pkg.SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, speculative=speculative)
+    seconds = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs]
+
+
+def ab_cell(sides: dict, prompts: list[list[int]], max_new: int, speculative: bool, reps: int) -> dict:
+    """Interleaved old/new pairs on one workload (order alternating; pair 0 a warm-up) → the cell.
+    ``sides``: name ("old", "new") → (package, engine)."""
+    rates: dict[str, list[float]] = {"old": [], "new": []}
+    ids: dict[str, list] = {}
+    for rep in range(reps + 1):
+        for side in (("old", "new") if rep % 2 else ("new", "old")):
+            pkg, engine = sides[side]
+            rate, ids[side] = timed(pkg, engine, prompts, max_new, speculative)
+            if rep:
+                rates[side].append(rate)
+    old, new = statistics.median(rates["old"]), statistics.median(rates["new"])
+    return {"old_tok_s": old, "new_tok_s": new, "ratio_of_medians": new / old,
+            "median_of_pair_ratios": statistics.median(n / o for n, o in zip(rates["new"], rates["old"])),
+            "old_runs_tok_s": rates["old"], "new_runs_tok_s": rates["new"],
+            "tokens_identical": ids["old"] == ids["new"]}
+
+
+def run(before: str, model_dir: str, prompts_dir: str, sizes: list[int], reps: int, max_new: int,
+        min_rows: int) -> dict:
+    """Old vs new per batch size and mode → the report (printed as it goes)."""
+    from transformers import AutoTokenizer
+
+    import orthrus as new_pkg
+    from jobs.prompt_ids import load_prompt_ids
+    old_pkg = load_before(before)
+    models = {side: pkg.OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+              for side, pkg in (("old", old_pkg), ("new", new_pkg))}
+    prompts = load_prompt_ids(AutoTokenizer.from_pretrained(model_dir), prompts_dir)
+    report: dict = {**describe(before), "model": model_dir, "threads": torch.get_num_threads(), "reps": reps,
+                    "max_new_tokens": max_new, "min_rows": min_rows, "results": {}}
+    for b in sizes:
+        rows = [prompts[i % len(prompts)] for i in range(max(b, min_rows))]
+        seq = min(1024, models["new"].config.max_position_embeddings)
+        sides = {side: (pkg, make_engine(pkg, models[side], b, seq))
+                 for side, pkg in (("old", old_pkg), ("new", new_pkg))}
+        for mode, spec in MODES.items():
+            cell = ab_cell(sides, rows, max_new, spec, reps)
+            report["results"][f"B={b} {mode}"] = cell
+            print(f"B={b:<3} {mode:<7} old {cell['old_tok_s']:.0f} tok/s, new {cell['new_tok_s']:.0f} tok/s: "
+                  f"new/old ×{cell['ratio_of_medians']:.3f} (pairs ×{cell['median_of_pair_ratios']:.3f}), "
+                  f"tokens identical: {cell['tokens_identical']}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", default="HEAD", help="git ref of the old engine (default HEAD: the last commit)")
+    ap.add_argument("--model", default="models/tiny-orthrus-py")
+    ap.add_argument("--prompts", default="examples/shards")
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--reps", type=int, default=5, help="timed pairs per cell after a warm-up pair")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--min-rows", type=int, default=16, help="prompts per run: max(B, this)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="bench_ab.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = run(args.before, args.model, args.prompts, [int(x) for x in args.batch_sizes.split(",")], args.reps,
+                 args.max_new_tokens, args.min_rows)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
