@@ -81,8 +81,11 @@ def _shards(local: Path, fs, prefix: str, n: int, rows: int, ids: bool = True) -
     return sorted((f"s{s}-{i}", 0) for s in range(n) for i in range(rows))
 
 
+# Not the cycle statistics: a greedy iteration's block is capped by the largest budget left in its
+# batch, so how a greedy row's tokens split into cycles depends on how the two runs happened to batch
+# (its tokens do not).
 _COMPARED = ["id", "sample_index", "completion", "finish_reason", "error", "num_prompt_tokens",
-             "num_completion_tokens", "num_cycles", "accept_length_histogram", "seed"]
+             "num_completion_tokens", "seed"]
 
 
 def test_same_greedy_job_on_local_disk_and_on_s3_gives_identical_rows(head, s3, tiny_orthrus_dir, tmp_path):
