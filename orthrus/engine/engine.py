@@ -279,7 +279,8 @@ class OrthrusEngine:
         """One cycle (or AR step) over the occupied ``slots`` that can still generate, plus the rows
         admitted this step that their prefill already completed → the requests that finished."""
         remaining = self.table.remaining(slots)
-        settled, live = slots[remaining <= 0], slots[remaining > 0]
+        done_at_prefill = remaining <= 0
+        settled, live = (slots[done_at_prefill], slots[~done_at_prefill]) if done_at_prefill.any() else (slots[:0], slots)
         lp = self.table.logprobs.width(slots)      # None: no row asked, no logprob work or transfer
         plan, rows, where, chosen, start = None, live, None, AR, time.perf_counter()
         if len(live):
@@ -293,7 +294,7 @@ class OrthrusEngine:
             plan, rows, where = self.runner.plan(live, block, self.table.kv_len(live), filtered, all_greedy, lp)
         host = self.runner.iterate(plan, rows, where, settled, lp)
         out = Packed.unpack(host, lp)
-        order = np.concatenate([live, settled])
+        order = np.concatenate([live, settled]) if len(settled) else live
         if plan is not None:
             self.iterations += 1
             self.busy_slot_iterations += len(live)

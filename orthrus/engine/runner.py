@@ -130,7 +130,7 @@ class ModelRunner:
         staged = {"rows": rows} if eager else {}
         if len(settled):
             staged["settled"] = settled
-        idx = self.index_staging.stage({k: np.asarray(v, dtype=np.int64) for k, v in staged.items()}) if staged else {}
+        idx = self.index_staging.stage(staged) if staged else {}
         if plan is not None:
             parts.append(self.device_iteration(plan, idx["rows"]) if eager else
                          self.graphs.run(plan, rows, lambda s: self.device_iteration(plan, s)))
@@ -140,7 +140,7 @@ class ModelRunner:
         if where is None:
             return host
         n = len(rows)
-        return np.concatenate([host[:n][where], host[n:]])
+        return np.concatenate([host[:n][where], host[n:]]) if len(settled) else host[where]
 
     def widen_stops(self, width: int) -> None:
         """Room for ``width`` stop ids per slot (captured graphs hold the old buffer: forget them)."""
