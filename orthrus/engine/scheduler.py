@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,13 +39,30 @@ def _stops(reqs: list[Request], eos_token_ids: tuple[int, ...], width: int) -> n
     return stops
 
 
+class PlannedCopy(NamedTuple):
+    """Copy the first ``length`` prompt positions of slot ``src`` into slot ``dst``; ``whole``: the
+    source holds this very prompt (its last hidden state is copied too)."""
+
+    src: int
+    dst: int
+    length: int
+    whole: bool
+
+
+class PlannedRest(NamedTuple):
+    """Compute ``rest`` (the prompt's tokens from position ``start``) into ``slot``."""
+
+    slot: int
+    start: int
+    rest: np.ndarray
+
+
 @dataclass
 class _Stage:
-    """Host plan of one prefill stage: copies ``(src, dst, length, whole)``, then rows to compute
-    ``(slot, start, rest tokens)``."""
+    """Host plan of one prefill stage: copies, then the rows to compute."""
 
-    copies: list[tuple[int, int, int, bool]] = field(default_factory=list)
-    rows: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    copies: list[PlannedCopy] = field(default_factory=list)
+    rows: list[PlannedRest] = field(default_factory=list)
 
 
 def plan_prompts(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None) -> tuple[_Stage, _Stage]:
@@ -56,7 +74,7 @@ def plan_prompts(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | No
     for r, slot in zip(reqs, slots.tolist()):  # SYNC: none (host numpy)
         prompt = r.prompt_ids
         if index is None:
-            first.rows.append((slot, 0, prompt))
+            first.rows.append(PlannedRest(slot, 0, prompt))
             continue
         hashes = block_hashes(prompt, index.block)
         held, new = index.match(prompt, hashes), fresh.match(prompt, hashes)
@@ -65,43 +83,43 @@ def plan_prompts(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | No
         else:
             stage, m = first, held
         if m is not None:
-            stage.copies.append((m.slot, slot, m.length, m.whole))
+            stage.copies.append(PlannedCopy(m.slot, slot, m.length, m.whole))
         start = 0 if m is None else m.length
         if start < len(prompt):
-            stage.rows.append((slot, start, prompt[start:]))
+            stage.rows.append(PlannedRest(slot, start, prompt[start:]))
         if stage is first:
             fresh.add(slot, prompt, hashes)
     return first, second
 
 
-def _forward_groups(rows: list[tuple[int, int, np.ndarray]], capacity: int) -> list[list[tuple[int, int, np.ndarray]]]:
+Group = list[PlannedRest]   # the rows of one padded forward, longest rest first
+
+
+def _forward_groups(rows: list[PlannedRest], capacity: int) -> list[Group]:
     """Rows of one stage in as few padded forwards as fit: start + padded length <= ``capacity``
     for every row of a forward (a pad token's K/V is written at its position). Bounded by rows."""
-    groups: list[list[tuple[int, int, np.ndarray]]] = []
-    for row in sorted(rows, key=lambda r: -len(r[2])):
+    groups: list[Group] = []
+    for row in sorted(rows, key=lambda r: -len(r.rest)):
         g = groups[-1] if groups else None
-        if g is not None and max(row[1], max(s for _, s, _ in g)) + len(g[0][2]) <= capacity:
+        if g is not None and max(row.start, max(r.start for r in g)) + len(g[0].rest) <= capacity:
             g.append(row)
         else:
             groups.append([row])
     return groups
 
 
-Group = list[tuple[int, int, np.ndarray]]
-
-
 def _stage_arrays(name: str, stage: _Stage, groups: list[Group]) -> dict[str, np.ndarray]:
     """Host arrays of one stage (its copy, each forward's rows) for the admission's one transfer."""
     ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-    whole = [c for c in stage.copies if c[3]]
-    arrays = {f"{name}.src": ints([c[0] for c in stage.copies]), f"{name}.dst": ints([c[1] for c in stage.copies]),
-              f"{name}.hsrc": ints([c[0] for c in whole]), f"{name}.hdst": ints([c[1] for c in whole])}
+    whole = [c for c in stage.copies if c.whole]
+    arrays = {f"{name}.src": ints([c.src for c in stage.copies]), f"{name}.dst": ints([c.dst for c in stage.copies]),
+              f"{name}.hsrc": ints([c.src for c in whole]), f"{name}.hdst": ints([c.dst for c in whole])}
     for j, g in enumerate(groups):
-        tokens = np.zeros((len(g), len(g[0][2])), dtype=np.int64)              # [u, T], right-padded
-        for i, (_, _, rest) in enumerate(g):
-            tokens[i, : len(rest)] = rest
-        arrays.update({f"{name}.{j}.slots": ints([r[0] for r in g]), f"{name}.{j}.tokens": tokens,
-                       f"{name}.{j}.starts": ints([r[1] for r in g]), f"{name}.{j}.lens": ints([len(r[2]) for r in g])})
+        tokens = np.zeros((len(g), len(g[0].rest)), dtype=np.int64)            # [u, T], right-padded
+        for i, r in enumerate(g):
+            tokens[i, : len(r.rest)] = r.rest
+        arrays.update({f"{name}.{j}.slots": ints([r.slot for r in g]), f"{name}.{j}.tokens": tokens,
+                       f"{name}.{j}.starts": ints([r.start for r in g]), f"{name}.{j}.lens": ints([len(r.rest) for r in g])})
     return arrays
 
 
@@ -109,10 +127,10 @@ def _device_stage(name: str, stage: _Stage, groups: list[Group], d: dict[str, to
     """The stage on the device, from the views of the one transfer (lengths are host-known)."""
     copy = None
     if stage.copies:
-        copy = PrefixCopy(d[f"{name}.src"], d[f"{name}.dst"], max(c[2] for c in stage.copies),
+        copy = PrefixCopy(d[f"{name}.src"], d[f"{name}.dst"], max(c.length for c in stage.copies),
                           d[f"{name}.hsrc"], d[f"{name}.hdst"])
     forwards = tuple(RestForward(d[f"{name}.{j}.slots"], d[f"{name}.{j}.tokens"], d[f"{name}.{j}.starts"],
-                                 d[f"{name}.{j}.lens"], max(r[1] for r in g) + len(g[0][2]))
+                                 d[f"{name}.{j}.lens"], max(r.start for r in g) + len(g[0].rest))
                      for j, g in enumerate(groups))
     return PrefillStage(copy, forwards)
 
@@ -142,7 +160,7 @@ def admission(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None,
     batch = PrefillBatch(d["slots"], d["row_lens"], device_stages)
     params = SlotParams(d["stop_ids"], d["row"], d["seed"], d["max_new"], d["temperature"], d["top_p"],
                         d["top_k"], d["greedy"])
-    return batch, params, sum(len(r[2]) for stage in stages for r in stage.rows)
+    return batch, params, sum(len(r.rest) for stage in stages for r in stage.rows)
 
 
 @dataclass(frozen=True)
