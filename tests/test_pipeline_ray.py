@@ -170,9 +170,11 @@ def test_end_to_end_rows_columns_and_stats(e2e):
         hist = r["accept_length_histogram"]
         assert r["error"] is None and r["finish_reason"] in ("stop", "length")
         assert len(hist) == 4 and sum(hist) == r["num_cycles"] > 0
-        assert r["num_draft_tokens"] == 3 * r["num_cycles"] >= r["num_accepted_draft_tokens"]
-        assert r["tokens_per_cycle"] == pytest.approx((r["num_accepted_draft_tokens"] + r["num_cycles"])
-                                                      / r["num_cycles"])
+        # a greedy row's last blocks may be capped by the tokens left (an AR step when one is left)
+        ar_steps = r["num_forward_passes"] - 1 - 2 * r["num_cycles"]
+        assert r["num_draft_tokens"] <= 3 * r["num_cycles"] and r["num_draft_tokens"] >= r["num_accepted_draft_tokens"]
+        assert ar_steps >= 0 and r["tokens_per_cycle"] == pytest.approx(
+            (r["num_accepted_draft_tokens"] + r["num_cycles"] + ar_steps) / (r["num_cycles"] + ar_steps))
         assert sum(L * c for L, c in enumerate(hist)) == r["num_accepted_draft_tokens"]
         assert 1 <= r["num_completion_tokens"] <= 10 and r["time_in_engine_s"] > 0 and r["batch_wall_seconds"] > 0
         assert r["seed"] is not None and r["model"] == e2e["summary"]["config"]["model"]["path"]
@@ -214,11 +216,13 @@ def test_completions_equal_direct_engine_output(e2e, tiny_orthrus_dir):
         results = engine.generate(prompts, params)
     finally:
         torch.set_num_threads(threads)
-    for r, res in zip(ok, results):
+    for r, p, res in zip(ok, params, results):
         ids = res.token_ids[:-1] if res.finish_reason == "stop" and res.token_ids[-1] in engine.eos_token_ids \
             else res.token_ids
         assert r["completion"] == tok.decode(ids, skip_special_tokens=True)
         assert (r["num_completion_tokens"], r["finish_reason"]) == (len(res.token_ids), res.finish_reason)
+        if p.greedy:   # a greedy row's blocks are capped by its batch's budgets: its cycles depend on the batch
+            continue
         assert (r["num_cycles"], r["accept_length_histogram"]) == (res.stats.num_cycles,
                                                                    res.stats.accept_length_histogram)
         assert r["num_forward_passes"] == res.stats.num_forward_passes
