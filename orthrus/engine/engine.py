@@ -277,7 +277,7 @@ class OrthrusEngine:
 
     def _decode(self, slots: np.ndarray) -> list[RequestOutput]:
         """One cycle (or AR step) over the occupied ``slots`` that can still generate, plus the rows
-        admitted this step that their prefill already completed → the requests that finished."""
+        admitted this step whose prefill already completed them → the requests that finished."""
         remaining = self.table.remaining(slots)
         done_at_prefill = remaining <= 0
         settled, live = (slots[done_at_prefill], slots[~done_at_prefill]) if done_at_prefill.any() else (slots[:0], slots)
