@@ -79,6 +79,7 @@ class OrthrusEngine:
         self.eos_token_ids: tuple[int, ...] = model.eos_token_ids
         self.runner = ModelRunner.create(model, max_batch_size, self.block_size, self.max_seq_len, attention,
                                          static_shapes, key_bucket, proposer, len(self.eos_token_ids) + 8)
+        # Read-only copies of the runner's choices (it never changes them), for callers and reports.
         self.device = self.runner.cache.lengths.device
         self.attention = self.runner.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
         self.static_shapes = self.runner.static_shapes
@@ -348,7 +349,7 @@ class OrthrusEngine:
                                                       run.admission_staging)
         if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
             for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
-                self.prefix_index.add(slot, r.prompt_ids)
+                self.prefix_index.add(slot, r.prompt_ids, r.prefix_hashes)
         scheduler.load_slots(run.state, batch.slots, params)
         run.prefill(batch, *self.table.flags(slots), self.table.logprobs.width(slots))
         self.prefill_tokens += computed

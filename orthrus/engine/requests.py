@@ -73,6 +73,7 @@ class Request:
     abort: bool = False              # abort_request was called; freed at the next step
     scanned: int = 0                 # generated tokens already searched for stop strings
     prompt_ids: np.ndarray = field(init=False, repr=False)   # the prompt as int64 (prefix cache lookups)
+    prefix_hashes: list[int] | None = field(default=None, repr=False)   # its block hashes, once admitted
     row: int = 0                     # index passed to the proposer (the prompt index in generate)
 
     def __post_init__(self) -> None:

@@ -76,7 +76,7 @@ def plan_prompts(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | No
         if index is None:
             first.rows.append(PlannedRest(slot, 0, prompt))
             continue
-        hashes = block_hashes(prompt, index.block)
+        hashes = r.prefix_hashes = block_hashes(prompt, index.block)   # kept: the index adds them after
         held, new = index.match(prompt, hashes), fresh.match(prompt, hashes)
         if new is not None and (held is None or new.length > held.length):
             stage, m = second, new
