@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from orthrus.constraints import Constraint, parse_constraint
 from orthrus.metrics import tokens_per_cycle
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything above is a typo, not a request
@@ -28,6 +29,13 @@ class SamplingParams:
     ``logprobs``: None = off; 0 = each generated token's log-probability; k > 0 = also the k most
     likely tokens at each position. Values are the log-softmax of the AR (target) model's raw logits,
     before temperature/top-k/top-p: what plain AR decoding of the same tokens reports.
+
+    ``structured``: None, or exactly one of ``{"json_schema": ...}``, ``{"regex": ...}``,
+    ``{"choice": [...]}``, ``{"grammar": ...}`` (``constraints.py``; stored as a ``Constraint``). The
+    row then samples from the model's distribution restricted to the tokens the grammar allows next,
+    renormalised (the grammar mask applies to the logits before temperature/top-k/top-p), and ends
+    "stop" only where the grammar is complete. Stop strings and extra stop token ids cannot be
+    combined with it: they could end a row mid-record and report it as stopped.
     """
 
     temperature: float = 0.0
@@ -38,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()       # stop strings; need an engine built with a tokenizer
     logprobs: int | None = None      # None: off; 0: the token's log-probability; k: also the top k
+    structured: Constraint | None = None   # given as {kind: value}; normalised in __post_init__
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -67,6 +76,11 @@ class SamplingParams:
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+        object.__setattr__(self, "structured", parse_constraint(self.structured))
+        if self.structured is not None and (self.stop or self.stop_token_ids):
+            which = "stop" if self.stop else "stop_token_ids"
+            raise ValueError(f"SamplingParams.{which} cannot be combined with structured: a constrained row "
+                             "ends where its grammar is complete (a stop could cut it mid-record)")
 
     @property
     def greedy(self) -> bool:

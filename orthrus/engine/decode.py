@@ -13,6 +13,7 @@ import torch
 
 from orthrus import rng
 from orthrus.engine import logprobs
+from orthrus.engine.grammar import IterationMasks, constrain
 from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import RaggedKVCache
 from orthrus.engine.packed import pack
@@ -100,7 +101,8 @@ def prefill(run: ModelRunner, pb: PrefillBatch, filtered: bool, all_greedy: bool
     prompt_states(model, cache, run.backend, st.prompt_hidden, pb.stages)
     slots, row_lens = pb.slots, pb.row_lens
     logits = model.logits(st.prompt_hidden[slots])[:, None]                 # [b, 1, V]
-    probs = process(logits, st.sampling(slots, filtered, all_greedy))
+    masked = logits if pb.masks is None else constrain(logits, pb.masks[:, None])
+    probs = process(masked, st.sampling(slots, filtered, all_greedy))
     u_first = rng.uniforms(st.seed[slots], torch.zeros_like(row_lens), rng.STREAM_FIRST, 1)
     first = sample(probs, u_first)[:, 0]                                     # [b]
     if lp_width is not None:
@@ -148,9 +150,16 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
     return packed if lp_block is None else torch.cat([packed, lp_block], 1)
 
 
-def speculative_cycle(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor) -> torch.Tensor:
+def speculative_cycle(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor,
+                      masks: IterationMasks | None = None) -> torch.Tensor:
     """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``; with
-    ``plan.logprobs`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits."""
+    ``plan.logprobs`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits.
+
+    With grammar ``masks``, the target at each verify position is the AR distribution restricted to
+    the tokens the grammar allows after the drafts before it: a draft it refuses has probability 0
+    and is rejected. The first draft comes from the masked proposal (its mask is known up front), the
+    others from the unmasked one, and acceptance and residual use exactly those proposals.
+    """
     model, cache, backend, st, k = run.model, run.cache, run.backend, run.state, plan.block
     n = _write_offsets(cache, st, slots)                                      # [b]
     pos = n[:, None] + torch.arange(k, device=n.device)[None, :]             # [b, K]
@@ -159,19 +168,26 @@ def speculative_cycle(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor
     sp = st.sampling(slots, plan.filtered, plan.all_greedy)
     seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
     q_logits = run.proposer.propose(anchor, draft_view, cache, st.row[slots], backend)   # [b, K-1, V]
+    if masks is not None:
+        q_logits = torch.cat([constrain(q_logits[:, :1], masks.first[:, None]), q_logits[:, 1:]], 1)
     verify_view = BlockBatch(view_slots, pos, plan.kv_len)
     if plan.all_greedy:
         drafts = q_logits.argmax(-1)                                                # [b, K-1]
+        if masks is not None:
+            masks.start(drafts)
         p_logits = model.logits(model.forward_cached(torch.cat([anchor[:, None], drafts], 1), cache,
                                                      verify_view, diffusion=False, backend=backend))
-        drafts, n_acc, nxt = greedy_accept(p_logits, q_logits)
+        target = p_logits if masks is None else constrain(p_logits, masks.along())
+        drafts, n_acc, nxt = greedy_accept(target, q_logits)
     else:
         q = process(q_logits, sp)
         drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
+        if masks is not None:
+            masks.start(drafts)
         block = torch.cat([anchor[:, None], drafts], 1)                             # [b, K]
         hidden = model.forward_cached(block, cache, verify_view, diffusion=False, backend=backend)
         p_logits = model.logits(hidden)                                             # [b, K, V]
-        p = process(p_logits, sp)
+        p = process(p_logits if masks is None else constrain(p_logits, masks.along()), sp)
         n_acc, nxt = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
                             rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
     i = torch.arange(k, device=n.device)[None, :]
@@ -180,18 +196,21 @@ def speculative_cycle(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor
     return _commit(st, cache, slots, emitted, n_acc, nxt, run.max_seq_len, lp)
 
 
-def ar_step(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor) -> torch.Tensor:
-    """One plain AR step (our baseline) on the same cache and bookkeeping (logprobs as in a cycle)."""
+def ar_step(run: ModelRunner, plan: IterationPlan, slots: torch.Tensor,
+            masks: IterationMasks | None = None) -> torch.Tensor:
+    """One plain AR step (our baseline) on the same cache and bookkeeping (logprobs as in a cycle);
+    with grammar ``masks``, from the distribution restricted to what each row's grammar allows."""
     model, cache, st = run.model, run.cache, run.state
     n = _write_offsets(cache, st, slots)
     pos = n[:, None]                                                          # [b, 1]
     view = BlockBatch(None if plan.all_slots else slots, pos, plan.kv_len)
     hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False, backend=run.backend)
     logits = model.logits(hidden)                                            # [b, 1, V]
+    masked = logits if masks is None else constrain(logits, masks.first[:, None])
     if plan.all_greedy:
-        nxt = logits[:, 0].argmax(-1)
+        nxt = masked[:, 0].argmax(-1)
     else:
-        p = process(logits, st.sampling(slots, plan.filtered, plan.all_greedy))
+        p = process(masked, st.sampling(slots, plan.filtered, plan.all_greedy))
         nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
     lp = None if plan.logprobs is None else logprobs.block(st, slots, logits, nxt[:, None], plan.logprobs)
     return _commit(st, cache, slots, nxt[:, None], torch.zeros_like(n), nxt, run.max_seq_len, lp)

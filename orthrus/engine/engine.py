@@ -22,6 +22,7 @@ import torch
 from orthrus.engine import scheduler
 from orthrus.engine.packed import Packed
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
+from orthrus.engine.grammar import SlotGrammars
 from orthrus.engine.prefix_cache import PrefixIndex
 from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason, Request, RequestOutput
@@ -88,6 +89,9 @@ class OrthrusEngine:
         # acceptance of this model on this workload.
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
+        # Grammar matchers of constrained rows (host); structured output needs the tokenizer's bytes.
+        self.grammars = (SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size)
+                         if tokenizer is not None else None)
         self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
@@ -120,6 +124,11 @@ class OrthrusEngine:
                              f"({self.vocab_size} tokens)")
         if params.stop and self.stops is None:
             raise ValueError("SamplingParams.stop needs a tokenizer: build the engine with OrthrusEngine(..., tokenizer=...)")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("SamplingParams.structured needs a tokenizer: build the engine with "
+                                 "OrthrusEngine(..., tokenizer=...)")
+            self.grammars.matcher(params.structured)    # compiles it (once per constraint): errors now
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -205,6 +214,8 @@ class OrthrusEngine:
         if self.prefix_index is not None:
             self.prefix_index.clear()
         self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
+        if self.grammars is not None:
+            self.grammars.reset()
         self.runner.reset()
 
     @torch.inference_mode()
@@ -266,6 +277,8 @@ class OrthrusEngine:
         req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
         lp = self.table.logprobs.release(slot, len(tokens))
         del self._requests[req.request_id]
+        if self.grammars is not None:
+            self.grammars.release(slot)
         # A freed slot keeps its prompt's K/V for later requests sharing a prefix of it, unless
         # something may write there: a static-shape iteration pads with free slots, and a row that
         # died at its prefill ran one dead iteration, which writes at the start of its slot.
@@ -281,6 +294,8 @@ class OrthrusEngine:
         admitted this step whose prefill already completed them → the requests that finished."""
         remaining = self.table.remaining(slots)
         done_at_prefill = remaining <= 0
+        if self.grammars is not None:   # a grammar's masks need the row's first token on the host: wait a step
+            done_at_prefill |= self.grammars.constrained[slots] & (self.table.count[slots] == 0)
         settled, live = (slots[done_at_prefill], slots[~done_at_prefill]) if done_at_prefill.any() else (slots[:0], slots)
         lp = self.table.logprobs.width(slots)      # None: no row asked, no logprob work or transfer
         plan, rows, where, chosen, start = None, live, None, AR, time.perf_counter()
@@ -292,8 +307,9 @@ class OrthrusEngine:
             # and "auto" already picks the size by occupancy.
             cap = all_greedy or self._mode == "auto"
             block = _cap_block(chosen, int(remaining.max())) if cap else chosen
-            plan, rows, where = self.runner.plan(live, block, self.table.kv_len(live), filtered, all_greedy, lp)
-        host = self.runner.iterate(plan, rows, where, settled, lp)
+            plan, rows, where = self.runner.plan(live, block, self.table.kv_len(live), filtered, all_greedy, lp,
+                                                 self._constrained(live))
+        host = self.runner.iterate(plan, rows, where, settled, lp, self.grammars)
         out = Packed.unpack(host, lp)
         order = np.concatenate([live, settled]) if len(settled) else live
         if plan is not None:
@@ -301,6 +317,8 @@ class OrthrusEngine:
             self.busy_slot_iterations += len(live)
             self.table.ran_dead[live[~out.alive[: len(live)]]] = True
         done, reasons, tokens, n_live = self.table.record(order, out, plan.block if plan else AR)
+        if self._constrained(order):
+            self.grammars.advance(order, self.table.generated)
         if plan is not None and self._mode == "auto" and plan.block == chosen:   # a capped block measures no arm
             self.policy.observe(chosen, len(live), time.perf_counter() - start, tokens, n_live)
         ended = dict(zip(done.tolist(), reasons.tolist()))  # SYNC: none (host numpy)
@@ -310,6 +328,9 @@ class OrthrusEngine:
             self.runner.kill(np.asarray(cut))
         return [self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
                 for s in sorted(set(ended) | set(hits))]
+
+    def _constrained(self, slots: np.ndarray) -> bool:
+        return self.grammars is not None and self.grammars.any(slots)
 
     def _choose_block(self, occupancy: int) -> int:
         """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""
@@ -344,9 +365,10 @@ class OrthrusEngine:
         """Load admitted requests into their slots and prefill them, copying every prompt prefix
         some slot holds (the prefix cache) instead of computing it."""
         run = self.runner
+        masks = self.grammars.admit(slots, [r.params.structured for r in reqs]) if self.grammars else None
         batch, params, computed = scheduler.admission(slots, reqs, self.prefix_index, self.eos_token_ids,
                                                       run.state.stop_ids.shape[1], run.cache.capacity,
-                                                      run.admission_staging)
+                                                      run.admission_staging, masks)
         if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
             for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
                 self.prefix_index.add(slot, r.prompt_ids, r.prefix_hashes)

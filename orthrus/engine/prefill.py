@@ -61,11 +61,13 @@ class PrefillStage:
 @dataclass(frozen=True)
 class PrefillBatch:
     """Rows admitted in one step, on the device (host-planned by ``scheduler.admission``):
-    ``slots [b]``, their prompt lengths ``row_lens [b]``, and the stages that fill their prompts."""
+    ``slots [b]``, their prompt lengths ``row_lens [b]``, the stages that fill their prompts, and
+    the grammar masks of their first tokens ``masks [b, W]`` int32 (None: no row is constrained)."""
 
     slots: torch.Tensor
     row_lens: torch.Tensor
     stages: tuple[PrefillStage, ...]
+    masks: torch.Tensor | None = None
 
 
 def prompt_states(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, hidden: torch.Tensor,

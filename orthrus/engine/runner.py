@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from orthrus.engine import decode
+from orthrus.engine import decode, grammar
 from orthrus.engine.graphs import CycleGraphs, pad_slots
 from orthrus.engine.policy import AR
 from orthrus.engine.prefill import PrefillBatch
@@ -36,7 +36,8 @@ class IterationPlan:
     forward (a padded bucket on the static path). ``all_slots``: the rows are every slot in order
     (copy-free cache reads). ``kv_len``: host-known bound on visible keys (the whole capacity on the
     static path). ``filtered`` / ``all_greedy``: the sampling fast paths. ``logprobs``: the top-k
-    width of the logprob block, None = no row asked.
+    width of the logprob block, None = no row asked. ``constrained``: some row has a grammar (its
+    masks come from the host during the iteration, so such an iteration is never captured).
     """
 
     block: int
@@ -46,6 +47,7 @@ class IterationPlan:
     filtered: bool
     all_greedy: bool
     logprobs: int | None
+    constrained: bool = False
 
     @property
     def width(self) -> int:
@@ -62,9 +64,11 @@ class ModelRunner:
         self.state, self.max_seq_len, self.static_shapes = state, max_seq_len, static_shapes
         self.num_slots = cache.num_slots
         self.graphs = CycleGraphs(cache.lengths.device)
-        # Host→device transfers: one copy per admitting step, one per iteration (staging.py).
+        # Host→device transfers: one copy per admitting step, one per iteration (staging.py), and one
+        # more in a cycle with grammar-constrained rows (their masks along the drafts).
         self.admission_staging = HostStaging(cache.lengths.device)
         self.index_staging = HostStaging(cache.lengths.device)
+        self.mask_staging = HostStaging(cache.lengths.device)
 
     @classmethod
     def create(cls, model: OrthrusForCausalLM, num_slots: int, block_size: int, max_seq_len: int,
@@ -102,36 +106,45 @@ class ModelRunner:
         decode.prefill(self, batch, filtered, all_greedy, lp_width)
 
     def plan(self, slots: np.ndarray, block: int, kv_len: int, filtered: bool, all_greedy: bool,
-             logprobs: int | None) -> tuple[IterationPlan, np.ndarray, np.ndarray | None]:
+             logprobs: int | None, constrained: bool = False) -> tuple[IterationPlan, np.ndarray, np.ndarray | None]:
         """The plan for one iteration over the occupied ``slots`` → (plan, the rows it runs, where
         each occupied slot's result sits among them; None when they are the same rows)."""
         if not self.static_shapes:
             return (IterationPlan(block, len(slots), len(slots) == self.num_slots, kv_len, filtered, all_greedy,
-                                  logprobs), slots, None)
+                                  logprobs, constrained), slots, None)
         padded, where = pad_slots(slots, self.num_slots)
         return (IterationPlan(block, len(padded), len(padded) == self.num_slots, self.cache.capacity, filtered,
-                              all_greedy, logprobs), padded, where)
+                              all_greedy, logprobs, constrained), padded, where)
 
-    def device_iteration(self, plan: IterationPlan, slots: torch.Tensor) -> torch.Tensor:
+    def device_iteration(self, plan: IterationPlan, slots: torch.Tensor,
+                         masks: grammar.IterationMasks | None = None) -> torch.Tensor:
         """The device work of one iteration over ``slots [rows]`` → packed ``[rows, W + 5 (+ logprobs)]``
-        (no host reads: this is what a CUDA graph captures)."""
+        (no host reads without ``masks``: this is what a CUDA graph captures)."""
         if plan.block != AR:
-            return decode.speculative_cycle(self, plan, slots)
-        return decode.ar_step(self, plan, slots)
+            return decode.speculative_cycle(self, plan, slots, masks)
+        return decode.ar_step(self, plan, slots, masks)
 
     def iterate(self, plan: IterationPlan | None, rows: np.ndarray, where: np.ndarray | None,
-                settled: np.ndarray, logprobs: int | None) -> np.ndarray:
+                settled: np.ndarray, logprobs: int | None, grammars: grammar.SlotGrammars | None = None) -> np.ndarray:
         """Run ``plan`` over ``rows`` (None: no iteration), then pack the ``settled`` rows — admitted
         this step and already complete after their prefill, which take no part — and read both back in
-        ONE transfer → host rows: the plan's occupied rows (in their order before padding), then ``settled``."""
-        parts, eager = [], plan is not None and not self.static_shapes
+        ONE transfer → host rows: the plan's occupied rows (in their order before padding), then ``settled``.
+        A ``plan.constrained`` iteration takes its rows' grammar masks from ``grammars`` and runs eagerly."""
+        parts = []
+        eager = plan is not None and (not self.static_shapes or plan.constrained)
         # One host→device copy for the iteration's indices (the static path's rows go through the
         # graph's own buffer): a second copy through the same staging buffer would wait for the first.
         staged = {"rows": rows} if eager else {}
         if len(settled):
             staged["settled"] = settled
+        if plan is not None and plan.constrained:
+            staged["masks"] = grammar.to_staged(grammars.first[rows])
         idx = self.index_staging.stage(staged) if staged else {}
-        if plan is not None:
+        if plan is not None and plan.constrained:
+            first = grammar.from_staged(idx["masks"], (len(rows), grammars.words))
+            masks = grammar.IterationMasks(grammars, rows, first, self.mask_staging)
+            parts.append(self.device_iteration(plan, idx["rows"], masks))
+        elif plan is not None:
             parts.append(self.device_iteration(plan, idx["rows"]) if eager else
                          self.graphs.run(plan, rows, lambda s: self.device_iteration(plan, s)))
         if len(settled):

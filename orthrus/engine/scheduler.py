@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from orthrus.engine import grammar
 from orthrus.engine.decode import SlotState
 from orthrus.engine.prefill import PrefillBatch, PrefillStage, PrefixCopy, RestForward
 from orthrus.engine.prefix_cache import PrefixIndex, block_hashes
@@ -136,11 +137,12 @@ def _device_stage(name: str, stage: _Stage, groups: list[Group], d: dict[str, to
 
 
 def admission(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None,
-              eos_token_ids: tuple[int, ...], stop_width: int, capacity: int, staging: HostStaging
-              ) -> tuple[PrefillBatch, SlotParams, int]:
+              eos_token_ids: tuple[int, ...], stop_width: int, capacity: int, staging: HostStaging,
+              first_masks: np.ndarray | None = None) -> tuple[PrefillBatch, SlotParams, int]:
     """Everything the device needs to seat ``reqs`` in ``slots``, given the prompt prefixes other
     slots hold (``index``), staged in ONE host→device copy → (the prefill batch, the slots' sampling
-    parameters, prompt tokens the prefill computes)."""
+    parameters, prompt tokens the prefill computes). ``first_masks [n, W]``: the grammar masks of
+    the rows' first tokens, when some row is constrained."""
     stages = plan_prompts(slots, reqs, index)
     ps = [r.params for r in reqs]
     ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
@@ -155,9 +157,12 @@ def admission(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None,
     groups = [_forward_groups(stage.rows, capacity) for stage in stages]
     for i, (stage, g) in enumerate(zip(stages, groups)):
         parts.update(_stage_arrays(f"s{i}", stage, g))
+    if first_masks is not None:
+        parts["masks"] = grammar.to_staged(first_masks)
     d = staging.stage(parts)
+    masks = None if first_masks is None else grammar.from_staged(d["masks"], first_masks.shape)
     device_stages = tuple(_device_stage(f"s{i}", stage, g, d) for i, (stage, g) in enumerate(zip(stages, groups)))
-    batch = PrefillBatch(d["slots"], d["row_lens"], device_stages)
+    batch = PrefillBatch(d["slots"], d["row_lens"], device_stages, masks)
     params = SlotParams(d["stop_ids"], d["row"], d["seed"], d["max_new"], d["temperature"], d["top_p"],
                         d["top_k"], d["greedy"])
     return batch, params, sum(len(r.rest) for stage in stages for r in stage.rows)
