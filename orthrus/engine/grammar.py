@@ -222,3 +222,15 @@ class IterationMasks:
         note_transfer("d2h")
         bits = self.grammars.path(self.rows, self._drafts.numpy())
         return from_staged(self.staging.stage({"bits": to_staged(bits)})["bits"], bits.shape)
+
+
+def check_structured(tokenizer, structured, vocab_size: int | None = None) -> Constraint | None:
+    """Parse ``structured`` (``{kind: value}``) and compile it for ``tokenizer`` without a model →
+    the normalised :class:`Constraint` (None for None); ``ValueError`` naming the field otherwise.
+    For checking a job's constraint before any model loads."""
+    from orthrus.constraints import parse_constraint
+    c = parse_constraint(structured)
+    if c is not None:
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        GrammarCompiler(tokenizer, vocab_size or len(tokenizer), [eos]).matcher(c)
+    return c
