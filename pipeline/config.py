@@ -42,7 +42,8 @@ class InputConfig(_Section):
     format: Literal["auto", "parquet", "jsonl", "openai_batch"] = Field("auto", description=(
         "'parquet'; 'jsonl' (one JSON object per line, its keys are columns); 'openai_batch' (OpenAI Batch "
         "API request lines: custom_id is the id, body.messages or body.prompt the prompt, body's max_tokens, "
-        "temperature, top_p, seed, stop, logprobs/top_logprobs the row's sampling). JSONL files may be "
+        "temperature, top_p, seed, stop, logprobs/top_logprobs the row's sampling, response_format or vLLM's "
+        "guided_json/guided_regex/guided_choice/guided_grammar its structured output). JSONL files may be "
         "compressed (.gz, .zst). 'auto': from the file extension (.parquet; .jsonl, .ndjson, .json with an "
         "optional .gz or .zst). JSONL files are converted once, by Ray tasks before any model loads, into "
         "Parquet under <output>/_staged/ (reused on resume while the source is unchanged); a malformed "
@@ -98,7 +99,8 @@ class PromptConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/seed override them."""
+    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/seed/logprobs/stop/structured
+    override them."""
 
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
@@ -118,6 +120,14 @@ class SamplingConfig(_Section):
     seed: int = Field(0, ge=0, lt=2**63, description=(
         "Base seed: each sample's seed is derived from (seed, id, sample_index), so output does not "
         "depend on batching. A row's own 'seed' column wins (seed + sample_index)."))
+    structured: dict[str, Any] | None = Field(None, description=(
+        "Structured output for every row: exactly one of {json_schema: {...}} (a JSON value valid under the "
+        "schema; the schema may also be its JSON text), {regex: '...'} (the whole completion matches), "
+        "{choice: [...]} (exactly one of the strings) or {grammar: '...'} (Lark or GBNF). Only tokens the "
+        "constraint allows are sampled, so a row that ends 'stop' is complete and valid ('length': cut by "
+        "max_new_tokens). Compiled for the model's tokenizer at preflight, before any model loads. Cannot be "
+        "combined with stop or stop_token_ids. A row's own 'structured' column wins (JSON text of the same "
+        "{kind: value}, or a struct; the JSON text null: unconstrained). None: off."))
 
     @field_validator("stop")
     @classmethod
@@ -132,6 +142,25 @@ class SamplingConfig(_Section):
         if any(t < 0 for t in v):
             raise ValueError("token ids must be >= 0")
         return v
+
+    @field_validator("structured")
+    @classmethod
+    def _one_constraint(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from orthrus.constraints import parse_constraint   # the shape only: compiling needs the tokenizer
+
+        try:
+            parse_constraint(v)
+        except ValueError as e:   # the engine's words name SamplingParams; a job's user knows this field
+            raise ValueError(str(e).replace("SamplingParams.structured", "structured")) from None
+        return v
+
+    @model_validator(mode="after")
+    def _structured_without_stops(self) -> "SamplingConfig":
+        which = "stop" if self.stop else "stop_token_ids" if self.stop_token_ids else None
+        if self.structured is not None and which:
+            raise ValueError(f"structured cannot be combined with {which}: a constrained row ends where its "
+                             "grammar is complete (a stop could cut it mid-record)")
+        return self
 
 
 class EngineKwargs(_Section):

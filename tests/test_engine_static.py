@@ -129,3 +129,18 @@ def test_dead_padding_rows_never_write_past_their_slot():
             .generate(prompts, SamplingParams(max_new_tokens=100)) for static in (False, True)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert [len(r.token_ids) for r in runs[1]] == [10, 14, 14, 14]      # every row to the context limit
+
+
+def test_a_row_complete_at_prefill_is_never_padding():
+    """A max_new_tokens=1 row admitted beside 3 running rows: its slot is the only one left to pad
+    the iteration's bucket of 4, and a padding row's iteration would clear its prefill token."""
+    engine = OrthrusEngine(tiny_model(seed=2), max_batch_size=4, static_shapes=True)
+    for p in ([1, 2, 3], [6, 7], [8]):
+        engine.add_request(p, SamplingParams(max_new_tokens=20))
+    engine.step()
+    rid = engine.add_request([4, 5], SamplingParams(max_new_tokens=1))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    alone = OrthrusEngine(tiny_model(seed=2), max_batch_size=1).generate([[4, 5]], SamplingParams(max_new_tokens=1))
+    assert done[rid].token_ids == alone[0].token_ids and len(alone[0].token_ids) == 1

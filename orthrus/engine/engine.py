@@ -308,7 +308,7 @@ class OrthrusEngine:
             cap = all_greedy or self._mode == "auto"
             block = _cap_block(chosen, int(remaining.max())) if cap else chosen
             plan, rows, where = self.runner.plan(live, block, self.table.kv_len(live), filtered, all_greedy, lp,
-                                                 self._constrained(live))
+                                                 self._constrained(live), settled)
         host = self.runner.iterate(plan, rows, where, settled, lp, self.grammars)
         out = Packed.unpack(host, lp)
         order = np.concatenate([live, settled]) if len(settled) else live

@@ -15,6 +15,7 @@ object per row, and rows without a constraint never reach this module.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from orthrus.constraints import Constraint
+from orthrus.constraints import Constraint, parse_constraint
 from orthrus.engine.staging import HostStaging
 from orthrus.engine.syncs import note_transfer
 
@@ -224,13 +225,18 @@ class IterationMasks:
         return from_staged(self.staging.stage({"bits": to_staged(bits)})["bits"], bits.shape)
 
 
-def check_structured(tokenizer, structured, vocab_size: int | None = None) -> Constraint | None:
-    """Parse ``structured`` (``{kind: value}``) and compile it for ``tokenizer`` without a model →
-    the normalised :class:`Constraint` (None for None); ``ValueError`` naming the field otherwise.
-    For checking a job's constraint before any model loads."""
-    from orthrus.constraints import parse_constraint
+def check_structured(tokenizer, structured) -> Constraint | None:
+    """Parse ``structured`` (``{kind: value}`` or a Constraint) and compile it for ``tokenizer`` without
+    a model → the normalised :class:`Constraint` (None for None); ``ValueError`` naming the field
+    otherwise. For checking a job's constraints before any model loads; one compiler per tokenizer
+    (its set-up reads the whole vocabulary), each distinct constraint compiled once."""
     c = parse_constraint(structured)
     if c is not None:
-        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        GrammarCompiler(tokenizer, vocab_size or len(tokenizer), [eos]).matcher(c)
+        _checker(tokenizer).matcher(c)
     return c
+
+
+@functools.lru_cache(maxsize=4)
+def _checker(tokenizer) -> GrammarCompiler:
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return GrammarCompiler(tokenizer, len(tokenizer), [eos])

@@ -38,10 +38,18 @@ def bucket(occupancy: int, num_slots: int) -> int:
     return min(num_slots, SpeculationPolicy.bucket(occupancy))
 
 
-def pad_slots(occupied: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Occupied slots padded with free ones to the bucket size, sorted; and each occupied slot's row."""
-    free = np.setdiff1d(np.arange(num_slots), occupied)
-    padded = np.sort(np.concatenate([occupied, free[: bucket(len(occupied), num_slots) - len(occupied)]]))
+def pad_slots(occupied: np.ndarray, num_slots: int, busy: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Occupied slots padded with free ones to the bucket size, sorted; and each occupied slot's row.
+    Slots in ``busy`` (rows that hold a request but sit this iteration out) are never padding: a
+    padding row's iteration clears its prefill token and would decode it if alive. None when too few
+    slots are free to pad."""
+    taken = occupied if busy is None else np.union1d(occupied, busy)
+    free = np.setdiff1d(np.arange(num_slots), taken)
+    need = bucket(len(occupied), num_slots) - len(occupied)
+    if need > len(free):
+        return None
+    padded = np.sort(np.concatenate([occupied, free[:need]]))
     return padded, np.searchsorted(padded, occupied)
 
 

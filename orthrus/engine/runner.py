@@ -106,13 +106,17 @@ class ModelRunner:
         decode.prefill(self, batch, filtered, all_greedy, lp_width)
 
     def plan(self, slots: np.ndarray, block: int, kv_len: int, filtered: bool, all_greedy: bool,
-             logprobs: int | None, constrained: bool = False) -> tuple[IterationPlan, np.ndarray, np.ndarray | None]:
+             logprobs: int | None, constrained: bool = False, busy: np.ndarray | None = None
+             ) -> tuple[IterationPlan, np.ndarray, np.ndarray | None]:
         """The plan for one iteration over the occupied ``slots`` → (plan, the rows it runs, where
-        each occupied slot's result sits among them; None when they are the same rows)."""
-        if not self.static_shapes:
+        each occupied slot's result sits among them; None when they are the same rows). ``busy``:
+        other occupied slots, never used as padding. A static iteration is padded to its bucket
+        unless it is constrained (never captured) or too few slots are free; it then runs eagerly."""
+        padding = pad_slots(slots, self.num_slots, busy) if self.static_shapes and not constrained else None
+        if padding is None:
             return (IterationPlan(block, len(slots), len(slots) == self.num_slots, kv_len, filtered, all_greedy,
                                   logprobs, constrained), slots, None)
-        padded, where = pad_slots(slots, self.num_slots)
+        padded, where = padding
         return (IterationPlan(block, len(padded), len(padded) == self.num_slots, self.cache.capacity, filtered,
                               all_greedy, logprobs, constrained), padded, where)
 
@@ -129,9 +133,9 @@ class ModelRunner:
         """Run ``plan`` over ``rows`` (None: no iteration), then pack the ``settled`` rows — admitted
         this step and already complete after their prefill, which take no part — and read both back in
         ONE transfer → host rows: the plan's occupied rows (in their order before padding), then ``settled``.
-        A ``plan.constrained`` iteration takes its rows' grammar masks from ``grammars`` and runs eagerly."""
+        A ``plan.constrained`` iteration takes its rows' grammar masks from ``grammars``."""
         parts = []
-        eager = plan is not None and (not self.static_shapes or plan.constrained)
+        eager = plan is not None and (not self.static_shapes or where is None)
         # One host→device copy for the iteration's indices (the static path's rows go through the
         # graph's own buffer): a second copy through the same staging buffer would wait for the first.
         staged = {"rows": rows} if eager else {}

@@ -2,11 +2,13 @@
 
 Rows in: ``messages`` (list of {role, content}, or that as a JSON string) or ``prompt`` (text), or
 with ``tokenize=False`` ``tokenized_prompt`` (token ids); an optional ``sampling_params`` struct or
-map with vLLM's names (:data:`SAMPLING_KEYS`); an optional ``error`` already set upstream (such a
-row is not generated and keeps its error). Rows out: the same rows with ``__request``
-(``pipeline/rows/request.py``), ``num_input_tokens``, ``seed`` and ``error``. Runs as Ray Data
-tasks over Arrow batches; nothing one row holds can fail the batch: undecodable bytes, text the
-tokenizer or the template rejects and bad sampling values all end as that row's error.
+map with vLLM's names (:data:`SAMPLING_KEYS`, structured output included: ``structured``,
+``guided_decoding``/``structured_outputs``, ``guided_json``/``_regex``/``_choice``/``_grammar``,
+``rows/structured.py``); an optional ``error`` already set upstream (such a row is not generated
+and keeps its error). Rows out: the same rows with ``__request`` (``pipeline/rows/request.py``),
+``num_input_tokens``, ``seed`` and ``error``. Runs as Ray Data tasks over Arrow batches; nothing
+one row holds can fail the batch: undecodable bytes, text the tokenizer or the template rejects,
+bad sampling values and a constraint that does not compile all end as that row's error.
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ from pipeline.rows.errors import ERROR, row_error
 from pipeline.rows.schema import PROCESSOR_INPUTS
 from pipeline.rows.prompts import ChatTemplate, InvalidText, RowError, format_prompt
 from pipeline.rows.request import REQUEST, to_arrow
+from pipeline.rows.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "logprobs")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "logprobs",
+                 *SAMPLING_PARAMS_KEYS)   # the last: structured output (``rows/structured.py``)
 # Missing keys take the engine's defaults (SamplingParams): greedy, 64 new tokens, a random seed.
-PREPARED = ("num_input_tokens", "seed", ERROR, REQUEST)
+PREPARED = ("num_input_tokens", "seed", ERROR, REQUEST, STRUCTURED_FIELD)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,20 @@ def _as_dict(value: Any) -> dict[str, Any]:
 
 def sampling_params_of(value: Any) -> SamplingParams:
     """A row's ``sampling_params`` (vLLM names) as engine SamplingParams; :class:`RowError` if invalid."""
+    return sampling_and_field(value)[0]
+
+
+def _no_stop_with(where: str, kw: dict[str, Any]) -> None:
+    """A constrained row ends where its grammar is complete: a stop could cut it mid-record (the
+    engine refuses the pair too; this names the row's fields)."""
+    which = "stop" if kw["stop"] else "stop_token_ids" if kw["stop_token_ids"] else None
+    if which:
+        raise RowError(f"{where} cannot be combined with sampling_params.{which}: a constrained row ends "
+                       "where its grammar is complete (a stop could cut it mid-record)")
+
+
+def sampling_and_field(value: Any) -> tuple[SamplingParams, str | None]:
+    """:func:`sampling_params_of`, and the key its structured-output constraint came from (or None)."""
     d = _as_dict(value)
     kw: dict[str, Any] = {}
     for name, key in (("temperature", "temperature"), ("top_p", "top_p")):
@@ -86,8 +104,11 @@ def sampling_params_of(value: Any) -> SamplingParams:
     kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
     kw["stop_token_ids"] = tuple(as_int("sampling_params.stop_token_ids", t) for t in d.get("stop_token_ids", ()))
     kw.setdefault("seed", secrets.randbits(63))   # unseeded: random, like vLLM; reported in the seed column
+    kw["structured"], where = from_sampling_params(d)
+    if kw["structured"] is not None:
+        _no_stop_with(where, kw)
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**kw), where
     except (ValueError, TypeError) as e:
         raise RowError(f"sampling_params: {e}"[:500]) from None
 
@@ -165,15 +186,20 @@ def prepare_batch(batch: pa.Table, plan: PreparePlan) -> pa.Table:
     """Rows -> the same rows with ``__request``, ``num_input_tokens``, ``seed`` and ``error``."""
     errors: list[str | None] = values(batch, ERROR)
     params: list[SamplingParams | None] = [None] * batch.num_rows
+    fields = values(batch, STRUCTURED_FIELD)     # the job's: where each row's constraint came from
     for i, value in enumerate(values(batch, "sampling_params")):
         if errors[i] is not None:
             continue
         try:
-            params[i] = sampling_params_of(value)
+            params[i], where = sampling_and_field(value)
+            fields[i] = fields[i] or where
         except RowError as e:
             errors[i] = errors[i] or str(e)
-    todo = [i for i in range(batch.num_rows) if errors[i] is None]
     tokenizer = load_tokenizer(resolve_model_dir(plan.model, plan.storage, weights=False))
+    for i, p in enumerate(params):    # a constraint that does not compile: the row's error, before an actor
+        if errors[i] is None and p is not None and p.structured is not None:
+            errors[i] = compile_error(tokenizer, p.structured, fields[i])
+    todo = [i for i in range(batch.num_rows) if errors[i] is None]
     tokens = _tokens(batch, todo, plan, tokenizer)
     requests: list[tuple[list[int], SamplingParams] | None] = [None] * batch.num_rows
     for i in todo:

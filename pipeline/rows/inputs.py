@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from pipeline.rows.column_types import plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
+from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
 from pipeline.rows.schema import GENERATED_FIELDS, INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, PROCESSOR_INPUTS
 from pipeline.storage.uris import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
@@ -36,6 +37,9 @@ PARQUET_SUFFIXES = (".parquet",)
 # Written by staging.py on rows it could not convert (a malformed JSONL line): consumed, never
 # passed through; the preprocessing makes it the row's error.
 INPUT_ERROR = "__input_error"
+# STAGED_STRUCTURED and STRUCTURED_FIELD are written by staging.py on OpenAI-batch rows (the body's
+# constraint and the field it came from, which their errors name) and consumed like INPUT_ERROR.
+INTERNAL_INPUTS = (INPUT_ERROR, STAGED_STRUCTURED, STRUCTURED_FIELD)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,11 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
         _check_type(messages, ok, "list of {role, content} or JSON string", schemas, files)
     is_list = lambda t: pa.types.is_list(t) or pa.types.is_large_list(t)  # noqa: E731
     for name in overrides:
+        if name == "structured":   # JSON text of {kind: value}, or that as a struct or map
+            ok = lambda t: (is_text(t) or pa.types.is_null(t) or pa.types.is_struct(t)  # noqa: E731
+                            or pa.types.is_map(t))
+            _check_type(name, ok, "JSON text, a struct or a map ({kind: value})", schemas, files)
+            continue
         if name == "stop":   # a list of stop strings, or one
             ok = lambda t: (is_text(t) or pa.types.is_null(t)  # noqa: E731
                             or (is_list(t) and (is_text(t.value_type) or pa.types.is_null(t.value_type))))
@@ -199,7 +208,8 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
             continue
         ok = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)  # noqa: E731
         _check_type(name, ok, "a number", schemas, files)
-    _check_type(INPUT_ERROR, lambda t: is_text(t) or pa.types.is_null(t), "string", schemas, files)
+    for internal in INTERNAL_INPUTS:
+        _check_type(internal, lambda t: is_text(t) or pa.types.is_null(t), "string", schemas, files)
 
 
 def _unify(schemas: list[pa.Schema], files: list[str]) -> pa.Schema:
@@ -278,7 +288,7 @@ def inspect_inputs(cfg: InputConfig, storage: StorageConfig = StorageConfig()) -
                           f"columns are {schema.names}")
     overrides = tuple(c for c in OVERRIDE_COLUMNS if c in schema.names)
     input_error = INPUT_ERROR in schema.names
-    consumed = {id_col, prompt, messages, *overrides, INPUT_ERROR if input_error else None} - {None}
+    consumed = {id_col, prompt, messages, *overrides, *(c for c in INTERNAL_INPUTS if c in schema.names)} - {None}
     passthrough = tuple(n for n in schema.names if n not in consumed)
     reserved = {*OUTPUT_NAMES, *PROCESSOR_INPUTS, *(f.name for f in GENERATED_FIELDS)}
     clash = [n for n in passthrough if n in reserved or n.startswith(INTERNAL_PREFIX)]

@@ -10,7 +10,8 @@ The schema of a file comes from a first pass over it (each key's type, as ``pa.a
 unified over the chunks); the second pass builds the row groups in that schema. Two passes keep
 memory at one chunk whatever the file's size, at the price of reading it twice. A key whose values
 cannot share one type (an int in one line, an object in another) becomes a string column holding
-each value's JSON text, so every cell of it decodes the same way.
+each value's JSON text, so every cell of it decodes the same way; so does the ``structured`` key
+whenever it holds objects (a row's constraint must arrive exactly as written).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipeline.rows.inputs import INPUT_ERROR
+from pipeline.rows.structured import STRUCTURED
 
 ROW_GROUP = 8192                           # rows per chunk, and per row group of a staged file
 COMPRESSION = {".gz": "gzip", ".zst": "zstd"}
@@ -198,6 +200,8 @@ def infer(chunks: Iterator[list[Parsed]], id_column: str) -> tuple[dict[str, pa.
                 found = None
             if found is not None and key in types:
                 found = _unify(types[key], found)
+            if key == STRUCTURED and found is not None and not pa.types.is_string(found):
+                found = None    # JSON text, exactly: a struct would merge all rows' schemas, nulls filled in
             types[key] = found if found is not None and _storable(found) else None
     return types, has_id
 

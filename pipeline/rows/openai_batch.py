@@ -3,7 +3,10 @@
 Each line is ``{"custom_id", "method": "POST", "url", "body": {...}}``. ``url`` says what ``body``
 is: ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``). The
 row's id is ``custom_id``; body's sampling fields become the per-row override columns
-(``schema.OVERRIDE_COLUMNS``) under this job's names; keys this job has no use for (``model``,
+(``schema.OVERRIDE_COLUMNS``) under this job's names, and ``response_format`` (or vLLM's
+``guided_*`` extras) the row's structured-output constraint, staged with the field it came from
+(``rows/structured.py``; whether it compiles is checked with the tokenizer, in the prepare stage,
+and reported naming that field); keys this job has no use for (``model``,
 ``user``, ``metadata`` ...) are ignored, as a server that does not implement them would. A line
 that breaks a rule becomes an error row (id and ``INPUT_ERROR`` only) naming its line; the
 preprocessing turns that into the row's error.
@@ -19,6 +22,9 @@ import pyarrow.fs as pafs
 
 from pipeline.rows.inputs import INPUT_ERROR
 from pipeline.rows.json_lines import Tally, kind, parsed_chunks
+from pipeline.rows.prompts import RowError
+from pipeline.rows.structured import (GUIDED_KEYS, OFF, STAGED_STRUCTURED, STRUCTURED_FIELD, VLLM_KINDS, Off,
+                                      constraint_json, parse_spec)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 URL_COLUMN = "openai_url"       # passed through, so the output can be rendered back per endpoint
@@ -27,6 +33,7 @@ SCHEMA = pa.schema([
     pa.field(URL_COLUMN, pa.string()), pa.field("max_new_tokens", pa.int64()),
     pa.field("temperature", pa.float64()), pa.field("top_p", pa.float64()), pa.field("top_k", pa.int64()),
     pa.field("seed", pa.int64()), pa.field("stop", pa.list_(pa.string())), pa.field("logprobs", pa.int64()),
+    pa.field(STAGED_STRUCTURED, pa.string()), pa.field(STRUCTURED_FIELD, pa.string()),
     pa.field(INPUT_ERROR, pa.string()),
 ])
 _PART_SEPARATOR = "\n"          # text parts of one message joined as vLLM's OpenAI server joins them
@@ -89,6 +96,47 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
             "logprobs": _chat_logprobs(body) if chat else _int(body, "logprobs")}
 
 
+def _response_format(value: Any) -> tuple[dict[str, Any] | Off, str]:
+    """OpenAI's ``response_format`` → ({kind: value} or OFF for plain text, the field it names)."""
+    where = "body.response_format"
+    kind_ = value.get("type") if isinstance(value, dict) else None
+    if kind_ == "text":
+        return OFF, where
+    if kind_ == "json_object":            # any JSON object
+        return {"json_schema": {"type": "object"}}, where
+    if kind_ != "json_schema":
+        raise _Bad(f"{where}.type must be 'text', 'json_object' or 'json_schema', got {_show(kind_)}"
+                   if isinstance(value, dict) else f"{where} must be an object, got {kind(value)}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _Bad(f"{where}.json_schema must be an object with a 'schema', got {_show(spec)}")
+    if "schema" not in spec:              # name, description and strict need nothing: always strict here
+        raise _Bad(f"{where}.json_schema.schema is missing")
+    return {"json_schema": spec["schema"]}, f"{where}.json_schema.schema"
+
+
+def _structured(body: dict) -> dict[str, Any]:
+    """``response_format`` or vLLM's ``guided_*`` extras as the staged constraint (JSON text, "null"
+    for plain text) and the field a later error names; one way at most."""
+    given = [k for k in ("response_format", *GUIDED_KEYS) if body.get(k) is not None]
+    if not given:
+        return {}
+    asked = [(k, _response_format(body[k]) if k == "response_format" else
+              ({VLLM_KINDS[k.removeprefix("guided_")]: body[k]}, f"body.{k}")) for k in given]
+    asked = [a for a in asked if not isinstance(a[1][0], Off)] or asked[:1]   # vLLM: type text + guided_* is fine
+    if len(asked) > 1:
+        raise _Bad(f"body.{asked[0][0]} and body.{asked[1][0]} both ask for structured output; give one")
+    spec, where = asked[0][1]
+    if not isinstance(spec, Off) and body.get("stop"):
+        raise _Bad(f"body.stop cannot be combined with {where}: a constrained completion ends where its "
+                   "grammar is complete (a stop could cut it mid-record)")
+    try:   # the shape now; whether it compiles, in the prepare stage (it has the tokenizer)
+        c = spec if isinstance(spec, Off) else parse_spec(spec, where)   # JSON is exact: nothing to prune
+    except RowError as e:
+        raise _Bad(str(e)) from None
+    return {STAGED_STRUCTURED: constraint_json(c), STRUCTURED_FIELD: where}
+
+
 def _text(content: list, index: int) -> str:
     """OpenAI content parts ``[{"type": "text", "text": ...}, ...]`` as one string."""
     texts = []
@@ -122,7 +170,7 @@ def _request(obj: dict) -> dict[str, Any]:
         raise _Bad(f"url must be {CHAT!r} or {COMPLETIONS!r}, got {_show(url)}")
     if not isinstance(body, dict):
         raise _Bad(f"body must be an object, not {kind(body)}")
-    row = {URL_COLUMN: url, **_sampling(body, chat=url == CHAT)}
+    row = {URL_COLUMN: url, **_sampling(body, chat=url == CHAT), **_structured(body)}
     if url == CHAT:
         row["messages"] = _messages(body.get("messages"))
     elif isinstance(body.get("prompt"), str):

@@ -4,7 +4,8 @@ Runs as a Ray Data task over Arrow batches, right after the read tasks. Each pen
 (id, sample_index) becomes one row in the processor's shape (``pipeline/processor/prepare.py``):
 ``prompt`` / ``messages`` from the configured columns, a ``sampling_params`` struct (the config's
 defaults overridden by the row's own columns, with a seed derived from (seed, id, sample_index)),
-and ``error`` for a row whose overrides or line (``__input_error`` of JSONL inputs) are bad. The
+``__structured_field`` (where the row's constraint came from, for the prepare stage's compile
+errors) and ``error`` for a row whose overrides or line (``__input_error`` of JSONL inputs) are bad. The
 processor then tokenizes. Pass-through columns are cast to the inputs' unified types, so blocks
 from files whose schemas differ concatenate.
 """
@@ -18,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orthrus import SamplingParams
+from orthrus import Constraint, SamplingParams
+from orthrus.constraints import parse_constraint
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
 from pipeline.processor.prepare import PreparePlan, as_int, prepare_batch, values
 from pipeline.rows import schema as S
@@ -27,6 +29,7 @@ from pipeline.rows.errors import ERROR, row_error
 from pipeline.rows.inputs import INPUT_ERROR, InputPlan
 from pipeline.rows.prompts import ChatTemplate, RowError
 from pipeline.rows.request import sampling_to_arrow
+from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
 
 
 
@@ -59,8 +62,31 @@ def _stop(value: Any, default: list[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: SamplingConfig) -> SamplingParams:
-    """The sample's SamplingParams: config defaults, overridden by the row's non-null columns."""
+def structured_for(row: dict[str, Any], job: Constraint | None, cfg: SamplingConfig, stop: tuple[str, ...]
+                   ) -> tuple[Constraint | None, str | None]:
+    """The row's constraint (its ``structured`` cell, else the job's ``sampling.structured``, parsed
+    as ``job``) and the field it came from; with stop strings or stop token ids, the row's error
+    naming both (the engine refuses the pair: a stop could cut a record short)."""
+    cell, where = row.get(STRUCTURED), f"column {STRUCTURED!r}"
+    if cell is None:     # an OpenAI-batch row's: its body asked (staged with the field it came from)
+        cell, where = row.get(STAGED_STRUCTURED), row.get(STRUCTURED_FIELD) or where
+    c = cell_constraint(cell, where)
+    if c is None and job is not None:
+        c, where = job, "sampling.structured"
+    if c is None or isinstance(c, Off):
+        return None, None
+    which = ("column 'stop'" if row.get("stop") is not None else "sampling.stop") if stop else \
+        "sampling.stop_token_ids" if cfg.stop_token_ids else None
+    if which:
+        raise RowError(f"{where} cannot be combined with {which}: a constrained row ends where its grammar is "
+                       "complete (a stop could cut it mid-record)")
+    return c, where
+
+
+def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: SamplingConfig,
+                 job: Constraint | None = None) -> tuple[SamplingParams, str | None]:
+    """The sample's SamplingParams -- config defaults, overridden by the row's non-null columns --
+    and the field its constraint came from (None: unconstrained). ``job``: ``cfg.structured`` parsed."""
     def pick(name: str) -> Any:
         value = row.get(name)
         return getattr(cfg, name) if value is None else value
@@ -75,12 +101,14 @@ def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: Sampl
         seed = (seed + sample_index) % 2 ** 63
     logprobs = pick("logprobs")
     try:
+        stop = _stop(row.get("stop"), cfg.stop)
+        structured, where = structured_for(row, job, cfg, stop)
         return SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
                               top_k=as_int("column 'top_k'", pick("top_k")),
                               max_new_tokens=as_int("column 'max_new_tokens'", pick("max_new_tokens")),
-                              seed=seed, stop_token_ids=tuple(cfg.stop_token_ids),
-                              stop=_stop(row.get("stop"), cfg.stop),
-                              logprobs=None if logprobs is None else as_int("column 'logprobs'", logprobs))
+                              seed=seed, stop_token_ids=tuple(cfg.stop_token_ids), stop=stop,
+                              logprobs=None if logprobs is None else as_int("column 'logprobs'", logprobs),
+                              structured=structured), where
     except RowError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a cell holds, it is that row's error
@@ -101,34 +129,39 @@ def _expand(batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _samples(batch: pa.Table, rows: np.ndarray, samples: np.ndarray, ids: list[str], plan: PreprocessPlan
-             ) -> tuple[list[SamplingParams | None], list[str | None]]:
-    """Each pending sample's SamplingParams, or its row's error."""
-    overrides = {name: values(batch, name) for name in plan.inputs.override_columns}
+             ) -> tuple[list[SamplingParams | None], list[str | None], list[str | None]]:
+    """Each pending sample's SamplingParams (or its row's error) and where its constraint came from."""
+    columns = (*plan.inputs.override_columns, STAGED_STRUCTURED, STRUCTURED_FIELD)
+    overrides = {name: values(batch, name) for name in columns}
     line_errors = values(batch, INPUT_ERROR)
+    job = parse_constraint(plan.sampling.structured)    # validated with the config: parsed once here
     params: list[SamplingParams | None] = []
     errors: list[str | None] = []
+    fields: list[str | None] = []
     for r, s in zip(rows.tolist(), samples.tolist()):
-        p, error = None, (row_error(line_errors[r]) if line_errors[r] is not None else None)
+        p, where, error = None, None, (row_error(line_errors[r]) if line_errors[r] is not None else None)
         if error is None:
             try:
-                p = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling)
+                p, where = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling, job)
             except RowError as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - e.g. the seed column's own checks
                 error = row_error("sampling override columns", e)
         params.append(p)
         errors.append(error)
-    return params, errors
+        fields.append(where)
+    return params, errors, fields
 
 
 def job_rows(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
     """Input rows -> one row per pending (id, sample_index) in the processor's shape."""
     ids = _row_ids(batch, plan.inputs)
     rows, samples = _expand(batch)
-    params, errors = _samples(batch, rows, samples, ids, plan)
+    params, errors, fields = _samples(batch, rows, samples, ids, plan)
     take = pa.array(rows, pa.int64())
     cols = {"id": pa.array(ids, pa.string()).take(take), "sample_index": pa.array(samples, pa.int64()),
             ERROR: pa.array(errors, pa.string()), "sampling_params": sampling_to_arrow(params),
+            STRUCTURED_FIELD: pa.array(fields, pa.string()),    # read (and dropped) by the prepare stage
             S.FILE: batch[S.FILE].take(take), S.ROW: batch[S.ROW].take(take)}
     for name, column in (("prompt", plan.inputs.prompt_column), ("messages", plan.inputs.messages_column)):
         if column is not None and column in batch.column_names:

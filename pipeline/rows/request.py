@@ -6,9 +6,13 @@ edit here. A null request is a row that will not be generated (its ``error`` is 
 """
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
-from orthrus import SamplingParams
+from orthrus import Constraint, SamplingParams
+from orthrus.constraints import parse_constraint
+from pipeline.rows.structured import constraint_json
 
 REQUEST = "__request"
 REQUEST_TYPE = pa.struct([
@@ -21,6 +25,7 @@ REQUEST_TYPE = pa.struct([
     pa.field("stop", pa.list_(pa.string())),
     pa.field("stop_token_ids", pa.list_(pa.int64())),
     pa.field("logprobs", pa.int64()),
+    pa.field("structured", pa.string()),      # JSON text of {kind: value}; null: unconstrained
 ])
 
 
@@ -30,7 +35,8 @@ SAMPLING_TYPE = pa.struct([f for f in REQUEST_TYPE if f.name != "prompt_token_id
 
 def _sampling(p: SamplingParams) -> dict:
     return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_tokens": p.max_new_tokens,
-            "seed": p.seed, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "logprobs": p.logprobs}
+            "seed": p.seed, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "logprobs": p.logprobs,
+            "structured": constraint_json(p.structured)}
 
 
 def sampling_to_arrow(params: list[SamplingParams | None]) -> pa.StructArray:
@@ -50,12 +56,16 @@ def to_arrow(requests: list[tuple[list[int], SamplingParams] | None]) -> pa.Stru
 def from_arrow(column: pa.Array | pa.ChunkedArray) -> list[tuple[list[int], SamplingParams] | None]:
     """Back to (prompt ids, SamplingParams) per row, None for null structs."""
     out: list[tuple[list[int], SamplingParams] | None] = []
+    constraints: dict[str, Constraint] = {}   # rows of a batch often share one: parse its text once
     for r in column.to_pylist():
         if r is None:
             out.append(None)
             continue
+        text = r["structured"]
+        if text is not None and text not in constraints:
+            constraints[text] = parse_constraint(json.loads(text))
         out.append((r["prompt_token_ids"], SamplingParams(
             temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"], max_new_tokens=r["max_tokens"],
             seed=r["seed"], stop=tuple(r["stop"]), stop_token_ids=tuple(r["stop_token_ids"]),
-            logprobs=r["logprobs"])))
+            logprobs=r["logprobs"], structured=None if text is None else constraints[text])))
     return out

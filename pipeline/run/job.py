@@ -55,6 +55,18 @@ def take_lease(out: OutputDir) -> Lease:
     return _take_lease(out.where, out.run_id)
 
 
+def _check_structured(config: JobConfig, tokenizer) -> None:
+    """Compile ``sampling.structured`` for the model's tokenizer: a schema, pattern or grammar that
+    does not compile fails the job now (exit 2), not as every row's error after the model loads."""
+    from orthrus import check_structured
+
+    try:
+        check_structured(tokenizer, config.sampling.structured)
+    except ValueError as e:
+        raise ConfigError(f"sampling.structured: {str(e).replace('SamplingParams.structured', 'structured')}"
+                          [:2000]) from None
+
+
 def _check_model(config: JobConfig, inputs: InputPlan | None) -> None:
     model_dir = resolve_model_dir(config.model, config.storage, weights=False)
     if not (Path(model_dir) / "config.json").is_file():
@@ -64,6 +76,7 @@ def _check_model(config: JobConfig, inputs: InputPlan | None) -> None:
     elif os.path.isdir(local_path(config.model.path)):   # a hub checkpoint's weights: fetched by the actors
         check_weight_headers(model_dir)
     tokenizer = load_tokenizer(model_dir)
+    _check_structured(config, tokenizer)
     if config.prompt.chat_template == "on" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"prompt.chat_template is 'on' but the tokenizer in {model_dir} has no chat template")
     if inputs is not None and not uses_chat_template(ChatTemplate.of(config.prompt), tokenizer) \
