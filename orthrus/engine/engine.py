@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from orthrus.engine import scheduler
+from orthrus.engine.grammar import SlotGrammars
 from orthrus.engine.packed import Packed
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
-from orthrus.engine.grammar import SlotGrammars
 from orthrus.engine.prefix_cache import PrefixIndex
 from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason, Request, RequestOutput
@@ -90,8 +90,7 @@ class OrthrusEngine:
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
         # Grammar matchers of constrained rows (host); structured output needs the tokenizer's bytes.
-        self.grammars = (SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size)
-                         if tokenizer is not None else None)
+        self.grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size)
         self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
@@ -125,9 +124,6 @@ class OrthrusEngine:
         if params.stop and self.stops is None:
             raise ValueError("SamplingParams.stop needs a tokenizer: build the engine with OrthrusEngine(..., tokenizer=...)")
         if params.structured is not None:
-            if self.grammars is None:
-                raise ValueError("SamplingParams.structured needs a tokenizer: build the engine with "
-                                 "OrthrusEngine(..., tokenizer=...)")
             self.grammars.matcher(params.structured)    # compiles it (once per constraint): errors now
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -214,8 +210,7 @@ class OrthrusEngine:
         if self.prefix_index is not None:
             self.prefix_index.clear()
         self.table = SlotTable(self.max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
-        if self.grammars is not None:
-            self.grammars.reset()
+        self.grammars.reset()
         self.runner.reset()
 
     @torch.inference_mode()
@@ -277,8 +272,7 @@ class OrthrusEngine:
         req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
         lp = self.table.logprobs.release(slot, len(tokens))
         del self._requests[req.request_id]
-        if self.grammars is not None:
-            self.grammars.release(slot)
+        self.grammars.release(slot)
         # A freed slot keeps its prompt's K/V for later requests sharing a prefix of it, unless
         # something may write there: a static-shape iteration pads with free slots, and a row that
         # died at its prefill ran one dead iteration, which writes at the start of its slot.
@@ -293,9 +287,8 @@ class OrthrusEngine:
         """One cycle (or AR step) over the occupied ``slots`` that can still generate, plus the rows
         admitted this step whose prefill already completed them → the requests that finished."""
         remaining = self.table.remaining(slots)
-        done_at_prefill = remaining <= 0
-        if self.grammars is not None:   # a grammar's masks need the row's first token on the host: wait a step
-            done_at_prefill |= self.grammars.constrained[slots] & (self.table.count[slots] == 0)
+        # (a constrained row's masks need its first token on the host: it sits its first step out)
+        done_at_prefill = (remaining <= 0) | self.grammars.awaiting_first(slots, self.table.count)
         settled, live = (slots[done_at_prefill], slots[~done_at_prefill]) if done_at_prefill.any() else (slots[:0], slots)
         lp = self.table.logprobs.width(slots)      # None: no row asked, no logprob work or transfer
         plan, rows, where, chosen, start = None, live, None, AR, time.perf_counter()
@@ -308,7 +301,7 @@ class OrthrusEngine:
             cap = all_greedy or self._mode == "auto"
             block = _cap_block(chosen, int(remaining.max())) if cap else chosen
             plan, rows, where = self.runner.plan(live, block, self.table.kv_len(live), filtered, all_greedy, lp,
-                                                 self._constrained(live), settled)
+                                                 self.grammars.any(live), settled)
         host = self.runner.iterate(plan, rows, where, settled, lp, self.grammars)
         out = Packed.unpack(host, lp)
         order = np.concatenate([live, settled]) if len(settled) else live
@@ -317,7 +310,7 @@ class OrthrusEngine:
             self.busy_slot_iterations += len(live)
             self.table.ran_dead[live[~out.alive[: len(live)]]] = True
         done, reasons, tokens, n_live = self.table.record(order, out, plan.block if plan else AR)
-        if self._constrained(order):
+        if self.grammars.any(order):
             self.grammars.advance(order, self.table.generated)
         if plan is not None and self._mode == "auto" and plan.block == chosen:   # a capped block measures no arm
             self.policy.observe(chosen, len(live), time.perf_counter() - start, tokens, n_live)
@@ -328,9 +321,6 @@ class OrthrusEngine:
             self.runner.kill(np.asarray(cut))
         return [self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
                 for s in sorted(set(ended) | set(hits))]
-
-    def _constrained(self, slots: np.ndarray) -> bool:
-        return self.grammars is not None and self.grammars.any(slots)
 
     def _choose_block(self, occupancy: int) -> int:
         """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""
@@ -365,7 +355,7 @@ class OrthrusEngine:
         """Load admitted requests into their slots and prefill them, copying every prompt prefix
         some slot holds (the prefix cache) instead of computing it."""
         run = self.runner
-        masks = self.grammars.admit(slots, [r.params.structured for r in reqs]) if self.grammars else None
+        masks = self.grammars.admit(slots, [r.params.structured for r in reqs])
         batch, params, computed = scheduler.admission(slots, reqs, self.prefix_index, self.eos_token_ids,
                                                       run.state.stop_ids.shape[1], run.cache.capacity,
                                                       run.admission_staging, masks)

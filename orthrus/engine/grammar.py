@@ -88,6 +88,7 @@ class SlotGrammars:
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], num_slots: int) -> None:
+        """``tokenizer``: the engine's (an HF tokenizer), or None: then no request may be constrained."""
         self._tokenizer, self._eos = tokenizer, tuple(eos_token_ids)
         self._compiler: GrammarCompiler | None = None    # built at the first constraint (~1 s at 151k tokens)
         self.vocab_size, self.words = vocab_size, words(vocab_size)
@@ -100,6 +101,9 @@ class SlotGrammars:
     def matcher(self, c: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher for ``c`` (compiled once per distinct constraint); ``ValueError`` naming
         ``structured.<kind>`` if it does not compile (so ``check_request`` calls this at add time)."""
+        if self._tokenizer is None:
+            raise ValueError("SamplingParams.structured needs a tokenizer: build the engine with "
+                             "OrthrusEngine(..., tokenizer=...)")
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._eos)
         return self._compiler.matcher(c)
@@ -128,6 +132,11 @@ class SlotGrammars:
     def any(self, slots: np.ndarray) -> bool:
         """Whether any of ``slots`` is constrained (host numpy)."""
         return bool(self.constrained[slots].any())
+
+    def awaiting_first(self, slots: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """``[n]`` bool: constrained rows whose first token (sampled by their prefill) the host has not
+        read yet (``count``: tokens recorded per slot); their masks cannot be computed before it."""
+        return self.constrained[slots] & (count[slots] == 0)
 
     def advance(self, slots: np.ndarray, generated) -> None:
         """Feed each constrained slot's newly recorded tokens (``generated(slot)``: all of its row's
