@@ -27,7 +27,7 @@ MAX_SPEC_CHARS = 1 << 20    # a constraint's text; anything longer is a mistake,
 @dataclass(frozen=True)
 class Constraint:
     """One normalised constraint: ``kind`` (one of ``KINDS``) and ``spec``, its canonical text (the
-    schema as sorted compact JSON, the regex, the choices as a JSON list, the grammar)."""
+    schema as compact JSON in its own key order, the regex, the choices as a JSON list, the grammar)."""
 
     kind: str
     spec: str
@@ -68,7 +68,8 @@ def _canonical(kind: str, spec: Any, where: str) -> str:
                 raise ValueError(f"{where} is not valid JSON: {e}") from None
         if not isinstance(spec, (dict, bool)):
             raise ValueError(f"{where} must be a JSON schema (an object), got {type(spec).__name__}")
-        return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        # key order kept: a schema's "properties" order is the order the grammar emits them in
+        return json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
     if kind == "choice":
         if not (isinstance(spec, (list, tuple)) and spec and all(isinstance(c, str) and c for c in spec)):
             raise ValueError(f"{where} must be a non-empty list of non-empty strings, got {spec!r}"[:300])

@@ -221,3 +221,10 @@ def test_structured_needs_a_tokenizer_and_excludes_stops(model):
         SamplingParams(structured=PATTERN, stop_token_ids=(3,))
     with pytest.raises(ValueError, match="exactly one of"):
         SamplingParams(structured={"regex": "a", "choice": ["a"]})
+
+
+def test_json_properties_come_in_the_schemas_order(model, tok):
+    engine = OrthrusEngine(model, max_batch_size=2, tokenizer=tok)
+    reverse = dict(PERSON, properties=dict(reversed(PERSON["properties"].items())))
+    outs = engine.generate([PROMPTS[0]] * 2, [_params({"json_schema": s}, max_new=8) for s in (PERSON, reverse)])
+    assert tok.decode(outs[0].token_ids).startswith('{"name": ') and tok.decode(outs[1].token_ids).startswith('{"age": ')
