@@ -211,15 +211,17 @@ class IterationMasks:
     runs the verify forward queued in between (on a GPU; a CPU does the two in turn).
     """
 
-    def __init__(self, grammars: SlotGrammars, rows: np.ndarray, first: torch.Tensor, staging: HostStaging) -> None:
+    def __init__(self, grammars: SlotGrammars, rows: np.ndarray, first: torch.Tensor, staging: HostStaging,
+                 readback: torch.Tensor) -> None:
         self.grammars, self.rows, self.first, self.staging = grammars, rows, first, staging
+        self._readback = readback          # flat int64 host buffer, pinned on a GPU, reused every cycle
         self._drafts: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
     def start(self, drafts: torch.Tensor) -> None:
         """Queue the copy of ``drafts [n, K-1]`` to the host (pinned and asynchronous on a GPU)."""
         cuda = drafts.device.type == "cuda"
-        self._drafts = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=cuda)
+        self._drafts = self._readback[: drafts.numel()].view(drafts.shape)
         self._drafts.copy_(drafts, non_blocking=cuda)
         if cuda:
             self._copied = torch.cuda.Event()

@@ -69,6 +69,10 @@ class ModelRunner:
         self.admission_staging = HostStaging(cache.lengths.device)
         self.index_staging = HostStaging(cache.lengths.device)
         self.mask_staging = HostStaging(cache.lengths.device)
+        # ... and the one extra read of such a cycle (its drafts) lands here.
+        block = cache.capacity - max_seq_len          # the cache's scratch block: the largest block size
+        self.draft_readback = torch.empty(self.num_slots * block, dtype=torch.long,
+                                          pin_memory=cache.lengths.device.type == "cuda")
 
     @classmethod
     def create(cls, model: OrthrusForCausalLM, num_slots: int, block_size: int, max_seq_len: int,
@@ -146,7 +150,7 @@ class ModelRunner:
         idx = self.index_staging.stage(staged) if staged else {}
         if plan is not None and plan.constrained:
             first = grammar.from_staged(idx["masks"], (len(rows), grammars.words))
-            masks = grammar.IterationMasks(grammars, rows, first, self.mask_staging)
+            masks = grammar.IterationMasks(grammars, rows, first, self.mask_staging, self.draft_readback)
             parts.append(self.device_iteration(plan, idx["rows"], masks))
         elif plan is not None:
             parts.append(self.device_iteration(plan, idx["rows"]) if eager else
