@@ -7,6 +7,7 @@
     python -m jobs.bench --only vocab          # top-k / top-p at Qwen3's vocabulary (jobs/bench_vocab.py)
     python -m jobs.bench --only prefix         # prefix cache and short outputs (jobs/bench_prefix.py)
     python -m jobs.bench --only ab             # the engine at HEAD vs the working tree's (jobs/bench_ab.py)
+    python -m jobs.bench --only structured     # grammar constraints' cost (jobs/bench_structured.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
@@ -62,13 +63,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab"], default=None,
+    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab", "structured"], default=None,
                     help="run one section alone: 'scale' writes bench_scale.json next to --out, "
                          "'logprobs' bench_logprobs.json (default batch sizes 1,16), "
                          "'vocab' bench_vocab.json (default batch sizes 1,8,32, one thread; its own reps "
                          "and token counts: python -m jobs.bench_vocab --help), 'prefix' bench_prefix.json "
                          "(python -m jobs.bench_prefix --help; --no-job skips its Ray job part), 'ab' "
-                         "bench_ab.json (the engine at HEAD vs the working tree's: python -m jobs.bench_ab --help)")
+                         "bench_ab.json (the engine at HEAD vs the working tree's: python -m jobs.bench_ab --help), "
+                         "'structured' bench_structured.json (default batch sizes 1,16, one thread: "
+                         "python -m jobs.bench_structured --help)")
     return ap.parse_args(argv)
 
 
@@ -259,6 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.only in ("prefix", "ab"):
         only_prefix_or_ab(args)
+        return
+    if args.only == "structured":
+        from jobs import bench_structured
+        bench_structured.main(["--model", args.model, "--prompts", args.prompts, "--threads", str(args.threads or 1),
+                               "--reps", str(args.reps), "--max-new-tokens", str(args.max_new_tokens),
+                               "--out", str(Path(args.out).with_name("bench_structured.json"))]
+                              + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []))
         return
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -98,3 +98,42 @@ def test_bench_ab_loads_the_engine_at_a_ref_next_to_the_working_tree(tmp_path):
     assert set(report["results"]) == {"B=2 orthrus", "B=2 ar"} and len(report["before_commit"]) == 40
     for cell in report["results"].values():
         assert cell["tokens_identical"] is True and cell["old_tok_s"] > 0 and cell["ratio_of_medians"] > 0
+
+
+def test_bench_structured_reports_costs_checks_and_suite_validity(tmp_path, monkeypatch):
+    from jobs import bench_structured
+    from jobs.structured_suite import SUITE
+
+    out = tmp_path / "bench_structured.json"
+    bench_structured.main(["--batch-sizes", "2", "--rows", "4", "--reps", "1", "--max-new-tokens", "6",
+                           "--mixed-batch-size", "2", "--validate-prompts", "1", "--validate-max-new-tokens", "12",
+                           "--validate-batch-size", "4", "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
+    report = json.loads(out.read_text())       # main raises on a failed check: they all passed
+    cells = report["results"]["2"]
+    assert set(cells["modes"]) == set(bench_structured.MODES)
+    assert all(c["tokens_per_s"] > 0 and c["tokens_per_cycle"] >= 1 for c in cells["modes"].values())
+    assert cells["ratios"]["constrained_over_free tokens_per_s"]["ratio_of_medians"] > 0
+    assert cells["ratios"]["constrained_speculative_over_ar tokens_per_s"]["median_of_pair_ratios"] > 0
+    assert cells["ratios"]["mixed_over_free tokens_per_s"]["ratio_of_medians"] > 0
+    assert cells["checks"]["constrained greedy tokens: speculative == AR"] is True
+    assert cells["checks"]["mixed batch: free rows == all-free run"] is True
+    assert cells["host_reads_per_iteration"]["free"] == 1 and cells["host_reads_per_iteration"]["constrained"] > 1
+    assert set(cells["time_split"]) == {"free", "constrained", "mixed"}
+    assert cells["time_split"]["constrained"]["ms_per_iteration"]["host_masks_along_drafts"] > 0
+    assert cells["time_split"]["free"]["ms_per_iteration"]["host_masks_along_drafts"] == 0
+    assert report["checks"] and all(report["checks"].values())
+    v = report["validation"]
+    assert set(v["by_kind"]) == {"json_schema", "regex", "choice", "grammar", "all"} and set(v["by_case"]) == {
+        c.name for c in SUITE}
+    every = v["by_kind"]["all"]["all"]
+    assert every["rows"] == 2 * len(SUITE) == every["stop"] + every["length"] and every["stop"] > 0
+    assert every["stop_valid"] == every["stop"] and v["invalid"] == []
+
+    # jobs/bench.py --only structured hands its settings to this module and names the output
+    seen = []
+    monkeypatch.setattr(bench_structured, "main", seen.append)
+    bench.main(["--only", "structured", "--batch-sizes", "1", "--reps", "3", "--out", str(tmp_path / "bench.json")])
+    (argv,) = seen
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "bench_structured.json")
+    assert argv[argv.index("--batch-sizes") + 1] == "1" and argv[argv.index("--reps") + 1] == "3"
+    assert argv[argv.index("--threads") + 1] == "1"
