@@ -3,6 +3,7 @@ Qwen3's released one."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -70,3 +71,14 @@ def qwen3_orthrus_dir(qwen3_tokenizer_dir, tmp_path_factory) -> Path:
     from jobs.make_qwen3_test_model import make_qwen3_test_model
 
     return make_qwen3_test_model(tmp_path_factory.mktemp("qwen3-orthrus"), qwen3_tokenizer_dir, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A Ray runtime in this process (3 CPUs, no dashboard) for the module's in-process pipelines."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

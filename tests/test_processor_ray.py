@@ -7,7 +7,6 @@ the same rows: the job is built on the same processor, so they must be identical
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,16 +21,6 @@ pytestmark = pytest.mark.slow
 QUESTIONS = [("q0", "def add(a, b):", 0.0), ("q1", "Write a haiku about tests.", 0.8),
              ("q2", "", 0.0), ("q3", "def fib(n):", 0.8), ("q4", "class Stack:", 0.0)]
 MSG_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _readme_example(model: str, questions: Path, answers: Path) -> None:

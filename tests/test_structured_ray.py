@@ -6,7 +6,6 @@ rows' errors, never the job's (rows in == rows out)."""
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -23,16 +22,6 @@ PROMPTS = ("def parse(record):", "# the answer, as asked:")
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
           "additionalProperties": False}
 ENGINE = {"max_batch_size": 8, "batch_size": 16, "dtype": "float32"}
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _run(tmp_path: Path, name: str, cfg: dict) -> Path:
