@@ -26,7 +26,7 @@ qwen3-tokenizer-or-warn:
 		echo "WARNING: no Qwen3 tokenizer in $(QWEN3_TOKENIZER): the Qwen3-vocabulary tests will fail" >&2
 
 test: $(STAMP) qwen3-tokenizer-or-warn
-	$(PY) -m pytest -q tests
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests
 
 run: $(STAMP)
 	$(PY) -m jobs.generate --config $(CONFIG) $(ARGS)

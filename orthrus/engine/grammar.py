@@ -38,6 +38,15 @@ COMPILED_CACHE = 256
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}      # distinct constraints kept compiled per engine (least recently used dropped)
 
 
+@functools.lru_cache(maxsize=1)
+def shared_executor() -> llguidance.LLExecutor:
+    """The process's one llguidance thread pool, built at the first constrained mask.
+
+    One per process, not per engine: a pool holds ~0.8 x CPUs threads for the life of the process,
+    and a process (a test run, an actor that rebuilds its engine) may build many engines."""
+    return llguidance.LLExecutor()
+
+
 def words(vocab_size: int) -> int:
     """Mask words per position for a vocabulary of ``vocab_size``."""
     return (vocab_size + 31) // 32
@@ -96,7 +105,6 @@ class SlotGrammars:
         self.constrained = np.zeros(num_slots, dtype=bool)
         self.consumed = np.zeros(num_slots, dtype=np.int64)
         self.first = np.full((num_slots, self.words), -1, dtype=np.int32)     # [B, W]
-        self.executor = llguidance.LLExecutor()
 
     def matcher(self, c: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher for ``c`` (compiled once per distinct constraint); ``ValueError`` naming
@@ -152,7 +160,7 @@ class SlotGrammars:
             self.consumed[slot] = len(tokens)
             todo.append((m, slot))     # a complete grammar's mask is its end tokens only
         if todo:
-            llnp.fill_next_token_bitmask_par(self.executor, todo, self.first)
+            llnp.fill_next_token_bitmask_par(shared_executor(), todo, self.first)
 
     def path(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """Masks ``[n, K, W]`` for the K verify positions of ``rows`` given their ``drafts [n, K-1]``:
@@ -172,7 +180,7 @@ class SlotGrammars:
                     out[i * k + 1: (i + 1) * k] = 0
                     jobs.append((self.matchers[s], i * k, drafts[i, : cut[i]].tolist()))
         if jobs:
-            llnp.fill_next_token_bitmask_par_with_draft_tokens(self.executor, jobs, out)
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(shared_executor(), jobs, out)
             out[~out.any(-1)] = -1      # positions after a refused draft: left empty by llguidance
         return out.reshape(n, k, self.words)
 
