@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
+from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.engine.prefix_cache import PrefixIndex, block_hashes
 from tests.tiny_models import hf_greedy, hf_twin, tiny_model
 
@@ -47,8 +48,19 @@ def test_index_finds_the_longest_held_prefix():
     assert _idx(other, index) is None and _idx(long, index).slot == 1
 
 
+class FixedCostPolicy(SpeculationPolicy):
+    """"auto" with set costs (an AR step 1, a k-block cycle 1 + k/8) in place of measured ones: its
+    choices then follow the tokens alone, so two runs that must agree make the same choices. (A
+    seeded sampled row's draws depend on the block sizes chosen; measured costs differ between runs.)"""
+
+    def observe(self, arm: int, occupancy: int, seconds: float, tokens: int = 0, live_rows: int = 0) -> None:
+        super().observe(arm, occupancy, 1.0 + arm / 8, tokens, live_rows)
+
+
 def _run(model, prompts, params, **kw):
     engine = OrthrusEngine(model, **kw)
+    if kw.get("speculative") == "auto":
+        engine.policy = FixedCostPolicy(halving_block_sizes(engine.block_size))
     return engine, [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
 
 
@@ -63,6 +75,9 @@ def test_shared_prefix_tokens_equal_no_cache(model, speculative, temperature):
     cached, got = _run(model, prompts, params, max_batch_size=4, speculative=speculative)
     plain, want = _run(model, prompts, params, max_batch_size=4, speculative=speculative, prefix_cache=False)
     assert got == want
+    if speculative == "auto":     # it did switch: AR steps and cycles both ran
+        assert cached.policy.chosen == plain.policy.chosen and cached.policy.chosen[AR] > 0
+        assert sum(cached.policy.chosen.values()) > cached.policy.chosen[AR]
     rest = sum(len(p) - len(PREFIX) for p in prompts)
     assert plain.prefill_tokens == sum(len(p) for p in prompts) and plain.prefix_cache_hit_tokens == 0
     # the prefix is computed once; each row computes its own part (plus at most one block's leftover)
