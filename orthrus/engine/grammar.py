@@ -31,11 +31,11 @@ from orthrus.constraints import Constraint, parse_constraint
 from orthrus.engine.staging import HostStaging
 from orthrus.engine.syncs import note_transfer
 
-COMPILED_CACHE = 256
+COMPILED_CACHE = 256      # distinct constraints kept compiled per engine (least recently used dropped)
 # JSON is laid out as ``json.dumps`` does (", " and ": ", no other whitespace): llguidance's default
 # allows any whitespace between tokens, and a model that likes newlines then spends its whole token
 # budget on them. A schema's own "x-guidance" options (e.g. {"whitespace_flexible": true}) override this.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}      # distinct constraints kept compiled per engine (least recently used dropped)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,7 +152,7 @@ class SlotGrammars:
         todo = []
         for slot in slots[self.constrained[slots]].tolist():  # SYNC: none (host numpy)
             tokens = generated(slot)
-            new = tokens[self.consumed[slot]:].tolist()
+            new = tokens[self.consumed[slot]:].tolist()   # SYNC: none (host numpy)
             m = self.matchers[slot]
             # one by one: llguidance 1.9.1's ``consume_tokens`` refuses a complete grammar's end token
             if not all(m.consume_token(t) for t in new):
@@ -178,7 +178,7 @@ class SlotGrammars:
                 out[i * k] = self.first[s]      # position 0: the mask after the row's tokens, known
                 if cut[i]:
                     out[i * k + 1: (i + 1) * k] = 0
-                    jobs.append((self.matchers[s], i * k, drafts[i, : cut[i]].tolist()))
+                    jobs.append((self.matchers[s], i * k, drafts[i, : cut[i]].tolist()))   # SYNC: none (host numpy, read once per cycle)
         if jobs:
             llnp.fill_next_token_bitmask_par_with_draft_tokens(shared_executor(), jobs, out)
             out[~out.any(-1)] = -1      # positions after a refused draft: left empty by llguidance
