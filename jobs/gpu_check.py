@@ -2,6 +2,7 @@
 
     python3 -m jobs.gpu_check --out "$OUT"                   # budget 480 s (--budget-s)
     python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/test_gpu_check.py)
+    python3 -m jobs.gpu_check --only fp32_graphs_vs_eager,sync_debug --out "$OUT"   # a rerun of some steps
 
 Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench`` only: nothing from ``pipeline``
 (pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with the reason,
@@ -326,7 +327,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="models/tiny-orthrus-py")
     ap.add_argument("--prompts", default="examples/shards")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--only", default="",
+                    help="comma-separated step names (a rerun of some steps); the others are recorded as skipped")
     return ap.parse_args(argv)
+
+
+def selected(all_steps: list[Step], only: str) -> list[Step]:
+    """``all_steps`` with those not named in ``--only`` (when given) skipped, saying so."""
+    names = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = names - {s.name for s in all_steps}
+    if unknown:
+        raise SystemExit(f"jobs.gpu_check: --only names unknown steps {sorted(unknown)}")
+    if not names:
+        return all_steps
+    return [s if s.name in names else s._replace(why_not=lambda: "not in --only") for s in all_steps]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -335,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("jobs.gpu_check: no CUDA device here; pass --device cpu for the smoke run")
     check = Check(args)
     check.save()                 # the environment first, should the first step never return
-    for step in steps(check):
+    for step in selected(steps(check), args.only):
         check.run(step)
     check.report["finished"] = True
     check.save()

@@ -11,9 +11,12 @@
 """
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.engine.graphs import bucket, pad_slots
@@ -116,6 +119,37 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
     with torch.inference_mode():
         out = traced(torch.arange(4))
     assert out.shape == (4, (engine.block_size if spec else 1) + 5)
+
+
+class HostDataSpy(TorchDispatchMode):
+    """Records where host data enters device work: ``aten.lift_fresh`` is how ``torch.tensor(data)``
+    and a Python number written by index (``t[idx] = -1``) become tensors. On CUDA that tensor is a
+    pageable host one, and copying it inside ``torch.cuda.graph`` fails the capture (seen on the
+    first H200 run: no iteration was captured)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.sites.append(traceback.format_stack(limit=3)[0].strip())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["cycle", "ar-step"])
+@pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("logprobs", [None, 3], ids=["no-logprobs", "logprobs"])
+def test_static_iteration_takes_no_host_data(model, spec, all_greedy, logprobs):
+    """What a CUDA graph captures must not build tensors from host values (capture precondition)."""
+    engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
+    engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])
+    plan, _, _ = engine.runner.plan(np.arange(4), engine.block_size if spec else 0, 0, not all_greedy,
+                                    all_greedy, logprobs)
+    spy = HostDataSpy()
+    with torch.inference_mode(), spy:
+        engine.runner.device_iteration(plan, torch.arange(4))
+    assert spy.sites == []
 
 
 def test_dead_padding_rows_never_write_past_their_slot():

@@ -121,3 +121,17 @@ def test_steps_are_skipped_recorded_and_interrupted_within_the_budget(tmp_path, 
     assert steps["big"]["status"] == "skipped" and "estimated at 1000 s" in steps["big"]["reason"]
     assert steps["slow"]["status"] == "interrupted" and steps["after"]["status"] == "skipped"
     assert "budget ran out" in steps["after"]["reason"]
+
+
+def test_only_runs_the_named_steps_and_refuses_unknown_ones(tmp_path):
+    check = gpu_check.Check(gpu_check.parse_args(["--device", "cpu", "--out", str(tmp_path)]))
+    chosen = gpu_check.selected(gpu_check.steps(check), "sdpa_backends, sync_debug")
+    assert [s.name for s in chosen] == _step_names(tmp_path / "names")
+    assert {s.name for s in chosen if s.why_not() is None} <= {"sdpa_backends", "sync_debug"}
+    assert chosen[-1].why_not() in ("not in --only", "no bench results")
+    try:
+        gpu_check.selected(chosen, "sync_debgu")
+    except SystemExit as err:
+        assert "sync_debgu" in str(err)
+    else:
+        raise AssertionError("an unknown step name must be refused")

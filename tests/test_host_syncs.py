@@ -18,8 +18,12 @@ def test_counter_sees_hidden_reads_and_restores_torch():
         if t.any():
             t.tolist()
         int(t[0])
-    assert reads == {"item": 1, "__bool__": 1, "tolist": 1, "__int__": 1}
+        t[torch.arange(2)] = -1                      # a Python number staged on the host (CUDA: a copy)
+        t.index_fill_(0, torch.arange(2), -1)        # the same write with the scalar as a kernel argument
+        t[torch.arange(2)] = torch.zeros(2, dtype=t.dtype)
+    assert reads == {"item": 1, "__bool__": 1, "tolist": 1, "__int__": 1, "h2d_scalar": 1}
     assert "item" not in torch.Tensor.__dict__ and "__bool__" not in torch.Tensor.__dict__
+    assert "__setitem__" not in torch.Tensor.__dict__
 
 
 @pytest.mark.parametrize("speculative", [True, False, "auto"])

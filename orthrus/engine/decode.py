@@ -109,8 +109,8 @@ def prefill(run: ModelRunner, pb: PrefillBatch, filtered: bool, all_greedy: bool
         logprobs.store_first(st, slots, logits, first, lp_width)
     cache.lengths[slots] = row_lens
     st.prompt_len[slots] = row_lens
-    st.out_count[slots] = 0
-    st.counter[slots] = 0
+    st.out_count.index_fill_(0, slots, 0)   # index_fill_: a scalar as a kernel argument (syncs.py)
+    st.counter.index_fill_(0, slots, 0)
     n_emit, reason = stop_cut(first[:, None], torch.zeros_like(row_lens), st, slots, max_seq_len)
     st.out_count[slots] = n_emit
     st.anchor[slots] = first
@@ -145,7 +145,7 @@ def _commit(st: SlotState, cache: RaggedKVCache, slots: torch.Tensor, emitted: t
     st.reason[slots] = new_reason
     st.alive[slots] = alive & (new_reason == RUNNING)
     first = st.first[slots]
-    st.first[slots] = -1
+    st.first.index_fill_(0, slots, -1)
     packed = pack(emitted, n_emit, n_acc * alive, new_reason, alive, first)  # [b, W + 5]
     return packed if lp_block is None else torch.cat([packed, lp_block], 1)
 
@@ -223,6 +223,6 @@ def settle(run: ModelRunner, slots: torch.Tensor, width: int, lp_width: int | No
     none = torch.zeros((slots.shape[0], width), dtype=torch.long, device=slots.device)   # [d, W]
     zero = none[:, 0]
     first = st.first[slots]
-    st.first[slots] = -1
+    st.first.index_fill_(0, slots, -1)
     packed = pack(none, zero, zero, st.reason[slots], zero.bool(), first)               # [d, W + 5]
     return packed if lp_width is None else torch.cat([packed, logprobs.first_block(st, slots, width, lp_width)], 1)

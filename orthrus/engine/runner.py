@@ -103,7 +103,7 @@ class ModelRunner:
 
     def kill(self, slots: np.ndarray) -> None:
         """Mark rows dead on the device (aborted, or cut by a stop string the host found)."""
-        self.state.alive[self.indices(slots)] = False
+        self.state.alive.index_fill_(0, self.indices(slots), False)
 
     def prefill(self, batch: PrefillBatch, filtered: bool, all_greedy: bool, lp_width: int | None) -> None:
         """Fill the admitted slots' prompts (``prefill.py``) and sample their first tokens."""

@@ -10,7 +10,11 @@ actually waits, but the same calls are counted: they are the places that would s
 Host→device copies are counted in the same Counter: ``h2d_async`` for the decode loop's one-copy
 transfers through a staging buffer (``staging.py``, and the graphs' static slot buffer), and
 ``h2d`` for ``torch.as_tensor`` / ``torch.tensor`` of host data with a device: copies from pageable
-memory, which synchronise a CUDA stream. The loop's budget for ``h2d`` is zero. (A host tensor's
+memory, which synchronise a CUDA stream; and ``h2d_scalar`` for a Python number written into a
+tensor by index (``t[idx] = -1``): on CUDA, PyTorch stages the value in a pageable host tensor and
+copies it, a stream sync eagerly and a failed capture in a CUDA graph ("Cannot copy between CPU and
+CUDA tensors during CUDA graph capture"; ``index_fill_`` takes the scalar as a kernel argument
+instead). The loop's budget for ``h2d`` and ``h2d_scalar`` is zero. (A host tensor's
 ``.to(device)`` is not counted: on a CPU engine it cannot be told from a no-op ``.to`` of a device
 tensor, which transformers' rotary embedding makes every layer; the engine stages its own.)
 """
@@ -54,17 +58,26 @@ def _factory(fn: Callable, counts: Counter) -> Callable:
     return counted
 
 
+def _setitem(fn: Callable, counts: Counter) -> Callable:
+    def counted(self, index, value):
+        if isinstance(value, (bool, int, float)):
+            counts["h2d_scalar"] += 1      # a Python number staged on the host, then copied
+        return fn(self, index, value)
+    return counted
+
+
 @contextmanager
 def count_host_reads() -> Iterator[Counter]:
     """Yield a Counter of device→host reads by kind, filled while the block runs."""
     counts: Counter = Counter()
-    own = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+    own = {name: torch.Tensor.__dict__.get(name) for name in (*HOST_READS, "__setitem__")}
     factories = {name: getattr(torch, name) for name in ("as_tensor", "tensor")}
     try:
         for name in HOST_READS:
             setattr(torch.Tensor, name, _counted(name, getattr(torch.Tensor, name), counts))
         for name, fn in factories.items():
             setattr(torch, name, _factory(fn, counts))
+        torch.Tensor.__setitem__ = _setitem(torch.Tensor.__setitem__, counts)
         _ACTIVE.append(counts)
         yield counts
     finally:
