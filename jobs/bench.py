@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", default="examples/shards")
     ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,4,16,64 on CPU; 1,8,32,128 on GPU)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-seq-len", type=int, default=1024,
+                    help="the engine's context limit (its cache capacity per slot), capped at the model's")
     ap.add_argument("--block-size", type=int, default=None, help="draft block size K (default: the model's)")
     ap.add_argument("--min-rows", type=int, default=16,
                     help="prompts per run: max(B, this); more than B flow through the B slots (continuous batching)")
@@ -177,7 +179,8 @@ def median_cells(samples: dict[str, list[dict]]) -> dict[str, dict]:
 def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
     engine = OrthrusEngine(model, max_batch_size=b, block_size=args.block_size,
-                           max_seq_len=min(1024, model.config.max_position_embeddings), attention=args.attention,
+                           max_seq_len=min(args.max_seq_len, model.config.max_position_embeddings),
+                           attention=args.attention,
                            static_shapes=args.cuda_graphs if args.device == "cuda" else False)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()

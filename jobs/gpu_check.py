@@ -22,15 +22,14 @@ a run stopped early still returns what it measured; bench steps also write ``ben
 | bench_forward_profile      | ms per forward, B in {1, 8, 32, 128} x T in {1 ... 32}        | 20           |
 | bench_b1                   | orthrus, ar; rows = B, 64 new tokens, 2 reps + a warm-up      | 30           |
 | bench_b8 / b32 / b128      | orthrus, auto, ar, hf (transformers ``generate``)             | 40 / 45 / 70 |
-| bench_sdpa_graphs_b1 / b8  | SDPA + CUDA graphs, orthrus and ar (without flash-attn only)  | 30 / 30      |
+| bench_eager_b1 / b8        | eager SDPA (no CUDA graphs), orthrus and ar: the baseline     | 30 / 30      |
 | bench_plot                 | ``bench-cuda.png``                                            |  5           |
 
-370 s without flash-attn (the image has none), 330 s with it (no SDPA-graphs steps): ESTIMATES (no GPU ran
-this code) from aten op counts taken on the CPU: a K = 32 cycle of the 1.7B shape is ~4,500 ops, an
-AR step ~2,300, at B = 1 and 8 alike (launch-bound); the bundled model's ~780 and ~420. At ~6 us of
-host time per eager op a cycle is ~30 ms, an AR step ~15 ms up to B = 32; at B = 128 a cycle is ~28
-TFLOP, ~60 ms. Random weights accept ~no drafts (a 64-token row = 64 cycles); an exactness run is
-62-143 iterations per 24 prompts. Each estimate is 2-3x the sum, for first-use costs (context, capture).
+Measured on the H200 (2026-12-04, ``gpu-check/``): the whole run took 239 s without flash-attn (the
+image has none). An eager forward of the 1.7B shape is launch-bound, 25-45 ms at any B and T (about
+4,500 aten ops a K = 32 cycle, 2,300 an AR step, at ~6 us each); with CUDA graphs (the default on
+CUDA since then) an AR step at B = 8 is ~5x faster. Random weights accept ~no drafts (a 64-token
+row = 64 cycles). The estimates above are those first timings with a margin for first-use costs.
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ SIZES = {"cuda": {"n": 24, "max_new": 64, "batch_sizes": (1, 8, 32, 128), "bench
 ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "bf16_speculative_vs_ar": 15,
               "bf16_flash_graphs_vs_eager": 20, "sync_debug": 10, "bench_model": 40, "bench_forward_profile": 20,
               "bench_b1": 30, "bench_b8": 40, "bench_b32": 45, "bench_b128": 70,
-              "bench_sdpa_graphs_b1": 30, "bench_sdpa_graphs_b8": 30, "bench_plot": 5}
+              "bench_eager_b1": 30, "bench_eager_b8": 30, "bench_plot": 5}
 # The engine's SDPA calls in the bench's shape (H = 16, Hk = 8, D = 128) as (rows, queries, keys),
 # always masked with grouped KV heads: eager keys rounded up to 128s, static ones the whole capacity.
 SDPA_SHAPES = {"ar_step_b8": (8, 1, 256), "cycle_b8": (8, 32, 384), "cycle_b128": (128, 32, 384),
@@ -225,13 +224,13 @@ class Check(Budget):
     def prompts(self) -> list[list[int]]:
         return _prompts(self.args.model, self.args.prompts, self.sizes["n"])
 
-    def bench_args(self, graphs: bool = False) -> argparse.Namespace:
-        """The trimmed bench: rows = B (one wave), few repetitions; SDPA + CUDA graphs if asked."""
+    def bench_args(self, eager: bool = False) -> argparse.Namespace:
+        """The trimmed bench: rows = B (one wave), few repetitions; eager SDPA (no graphs) if asked."""
         args = bench.parse_args(["--device", self.device.type, "--model", self.args.model, "--prompts",
                                  self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
                                  str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
-                                 "--attention", "sdpa" if graphs else "auto"])
-        args.cuda_graphs = True if graphs else None
+                                 "--attention", "sdpa" if eager else "auto"])
+        args.cuda_graphs = False if eager else None
         return args
 
     def bench_model(self) -> dict:
@@ -242,7 +241,7 @@ class Check(Budget):
         head = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
                 "block_size": model.block_size, "reps": args.reps, "rows": "B"}
         self.bench["report"] = {**head, "results": {}}
-        self.bench["graphs_report"] = {**head, "attention": "sdpa", "cuda_graphs": True, "results": {}}
+        self.bench["eager_report"] = {**head, "attention": "sdpa", "cuda_graphs": False, "results": {}}
         return {"parameters": sum(p.numel() for p in model.parameters()), "prompts": len(prompts), **_cuda_mib()}
 
     def bench_forward_profile(self) -> dict:
@@ -251,16 +250,16 @@ class Check(Budget):
         self._save_bench()
         return ms
 
-    def bench_batch(self, b: int, graphs: bool = False) -> dict:
+    def bench_batch(self, b: int, eager: bool = False) -> dict:
         # At B = 1, HF generate and the auto policy's probing are the slowest cells and tell the least.
-        modes = ["orthrus", "ar"] if b == 1 or graphs else list(bench.MODES)
+        modes = ["orthrus", "ar"] if b == 1 or eager else list(bench.MODES)
         st = self.bench
         with warnings.catch_warnings(record=True) as caught:     # a failed capture warns (graphs.py)
             warnings.simplefilter("always")
-            cells = bench.bench_batch(b, self.bench_args(graphs), st["model"], st["prompts"], st["hf"], modes)
+            cells = bench.bench_batch(b, self.bench_args(eager), st["model"], st["prompts"], st["hf"], modes)
         cells["warnings"] = sorted({str(w.message)[:300] for w in caught})[:10]
         bench.print_row(b, cells)
-        st["graphs_report" if graphs else "report"]["results"][str(b)] = cells
+        st["eager_report" if eager else "report"]["results"][str(b)] = cells
         self._save_bench()
         return cells
 
@@ -271,7 +270,7 @@ class Check(Budget):
 
     def _save_bench(self) -> None:
         dev = self.device.type
-        for key, name in (("report", f"bench-{dev}.json"), ("graphs_report", f"bench-{dev}-sdpa-graphs.json")):
+        for key, name in (("report", f"bench-{dev}.json"), ("eager_report", f"bench-{dev}-eager.json")):
             if self.bench[key].get("results") or self.bench[key].get("forward_ms"):
                 write_json(self.out / name, {**self.bench[key], **_cuda_mib()})
 
@@ -296,10 +295,8 @@ def steps(check: Check) -> list[Step]:
     def has_model() -> str | None:
         return "--skip-bench" if a.skip_bench else (None if "model" in check.bench else "bench_model did not run")
 
-    def sdpa_graphs() -> str | None:
-        if dev != "cuda":
-            return f"needs CUDA (running on {dev})"
-        return has_model() or (None if flash.kernel() is None else "flash-attn is importable: the bench replays graphs")
+    def on_cuda() -> str | None:
+        return f"needs CUDA (running on {dev})" if dev != "cuda" else has_model()
 
     def exact(fn):
         return lambda: fn(a.model, check.prompts, dev, sizes["max_new"])
@@ -312,7 +309,7 @@ def steps(check: Check) -> list[Step]:
            Step("bench_model", check.bench_model, lambda: "--skip-bench" if a.skip_bench else None),
            Step("bench_forward_profile", check.bench_forward_profile, has_model)]
     out += [Step(f"bench_b{b}", lambda b=b: check.bench_batch(b), has_model) for b in sizes["batch_sizes"]]
-    out += [Step(f"bench_sdpa_graphs_b{b}", lambda b=b: check.bench_batch(b, graphs=True), sdpa_graphs) for b in (1, 8)]
+    out += [Step(f"bench_eager_b{b}", lambda b=b: check.bench_batch(b, eager=True), on_cuda) for b in (1, 8)]
     return out + [Step("bench_plot", check.bench_plot,
                        lambda: None if check.bench.get("report", {}).get("results") else "no bench results")]
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.graphs import bucket, pad_slots
+from orthrus.engine.graphs import bucket, key_bound, pad_slots
 from orthrus.model.backends import FlashKVCache
 from tiny_models import tiny_model
 
@@ -78,6 +78,34 @@ def test_padding_buckets_use_free_slots_only():
     assert list(padded[where]) == [4, 1, 3]
 
 
+def test_static_sdpa_key_bounds_are_few_powers_of_two():
+    assert [key_bound(n, 1056) for n in (0, 1, 200, 256, 257, 600, 1024, 1025, 1056)] == [
+        256, 256, 256, 256, 512, 1024, 1024, 1056, 1056]
+    assert len({key_bound(n, 40_000) for n in range(1, 40_001)}) == 9     # 256 … 32,768 and the capacity
+
+
+def test_static_sdpa_iterations_use_few_key_bounds():
+    """Rows growing past several bounds: every plan's bound covers its rows and is one of a few."""
+    model = tiny_model(seed=1, max_pos=1200, eos=[])          # no EOS: rows run to max_new_tokens
+    prompts = [[1, 2, 3], [1 + i % 60 for i in range(500)]]    # the long row crosses 512 keys
+    params = SamplingParams(max_new_tokens=24)
+    engine = OrthrusEngine(model, max_batch_size=2, max_seq_len=1100, static_shapes=True, attention="sdpa")
+    seen = []
+    plan = engine.runner.plan
+
+    def spy(slots, block, kv_len, *rest):
+        planned = plan(slots, block, kv_len, *rest)
+        seen.append((kv_len, planned[0].kv_len))
+        return planned
+    engine.runner.plan = spy
+    out = engine.generate(prompts, params)
+    eager = OrthrusEngine(model, max_batch_size=2, max_seq_len=1100, attention="sdpa").generate(prompts, params)
+    assert [r.token_ids for r in out] == [r.token_ids for r in eager]
+    assert all(need <= bound for need, bound in seen)
+    assert [len(r.token_ids) for r in out] == [24, 24]
+    assert {bound for _, bound in seen} == {512, 1024}
+
+
 @pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_static_shapes_change_no_token(model, params, speculative):
@@ -113,7 +141,7 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
     torch._dynamo.reset()
     k = engine.block_size if spec else 0
     plan, rows, _ = engine.runner.plan(np.arange(4), k, 0, not all_greedy, all_greedy, None)
-    assert rows.tolist() == [0, 1, 2, 3] and plan.kv_len == engine.cache.capacity and plan.all_slots
+    assert rows.tolist() == [0, 1, 2, 3] and plan.kv_len == key_bound(0, engine.cache.capacity) and plan.all_slots
     traced = torch.compile(lambda s: engine.runner.device_iteration(plan, s), backend="eager", fullgraph=True,
                            dynamic=False)
     with torch.inference_mode():

@@ -50,9 +50,9 @@ class OrthrusEngine:
 
     ``attention``: "sdpa" (masked SDPA over a host-known key bound), "flash" (FlashAttention's
     KV-cache kernel, per-row lengths, no mask) or "auto" (flash where it can run: CUDA, fp16/bf16,
-    ``flash_attn`` importable), or an ``AttentionBackend`` instance. ``static_shapes``: pad every iteration to a bucket of rows over the
-    whole cache, so that each is captured once as a CUDA graph and replayed (``graphs.py``); None =
-    on for CUDA with flash. On CPU it runs the same static path without capture (for tests).
+    ``flash_attn`` importable), or an ``AttentionBackend`` instance. ``static_shapes``: pad every iteration to a bucket of rows and a
+    fixed key bound, so that each is captured once as a CUDA graph and replayed (``graphs.py``); None =
+    on for CUDA. On CPU it runs the same static path without capture (for tests).
 
     ``speculative``: True (Orthrus cycles of ``block_size``), False (plain AR, the baseline) or
     ``"auto"`` (per iteration, the block size K, K/2, … or AR step measured fastest at the current

@@ -9,8 +9,10 @@ so the static path differs from the eager one in three ways only:
   with free slots. A free slot is dead (``alive`` is False), so its commit changes nothing, and the
   K/V its forward writes lands in a slot nobody reads until a prefill overwrites it. There are
   always enough free slots: ``bucket - occupied <= slots - occupied``.
-- keys: every forward sees the whole cache capacity (masked SDPA) or is bounded by each row's own
-  length inside the kernel (flash), instead of the host-known ``kv_len`` of the eager path.
+- keys: every forward is bounded by each row's own length inside the kernel (flash), or (masked
+  SDPA) sees the host-known bound rounded up to a power of two (``key_bound``), instead of the eager
+  path's bound rounded to a multiple of 128: a few graphs per plan, and no iteration reads the whole
+  capacity for short rows.
 - state: the engine's ``SlotState`` and cache are allocated once, and the slot indices are copied
   into a static buffer before each replay. Randomness is counter-based (``rng.py``): no generator
   state to capture.
@@ -20,6 +22,7 @@ capture needs; capture then records the same work without running it, so no stat
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Hashable
 
@@ -30,12 +33,20 @@ from orthrus.engine.syncs import note_transfer
 
 from orthrus.engine.policy import SpeculationPolicy
 
+STATIC_MIN_KEYS = 256   # smallest key bound of a static SDPA iteration (fewer graphs for short rows)
 GraphKey = Hashable   # the iteration's plan itself (runner.IterationPlan): every input that shapes the work
 
 
 def bucket(occupancy: int, num_slots: int) -> int:
     """Rows a static iteration runs for ``occupancy`` live slots: the policy's bucket, capped."""
     return min(num_slots, SpeculationPolicy.bucket(occupancy))
+
+
+def key_bound(kv_len: int, capacity: int, floor: int = STATIC_MIN_KEYS) -> int:
+    """Keys a static SDPA iteration attends: the next power of two of the host-known bound (at least
+    ``floor``), capped at the capacity. A graph per bound (a few: log2(capacity / floor) + 1) reads
+    the keys rows can have, not the whole capacity; keys past a row's length are masked either way."""
+    return min(capacity, max(floor, 1 << max(0, math.ceil(math.log2(max(kv_len, 1))))))
 
 
 def pad_slots(occupied: np.ndarray, num_slots: int, busy: np.ndarray | None = None
