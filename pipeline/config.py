@@ -181,8 +181,8 @@ class EngineKwargs(_Section):
         "per-row lengths (needs GPU replicas, bf16/fp16 and the flash-attn package); 'sdpa' = PyTorch "
         "SDPA with a ragged mask; 'auto' = flash where it can run, sdpa elsewhere."))
     cuda_graphs: bool = Field(True, description=(
-        "On GPU replicas using the flash kernel, pad each decode iteration to static shapes and replay "
-        "it as a captured CUDA graph (one launch per cycle). Ignored on CPU and with SDPA."))
+        "On GPU replicas (flash or SDPA), pad each decode iteration to static shapes and replay it as a "
+        "captured CUDA graph (one launch per iteration instead of thousands). Ignored on CPU."))
     prefix_cache: bool = Field(True, description=(
         "A prompt that shares leading blocks of tokens with a prompt some slot holds (the n samples of a "
         "row, a common system prompt) copies that K/V instead of prefilling it again; only the rest is "
