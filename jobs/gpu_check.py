@@ -120,7 +120,7 @@ def bf16_speculative_vs_ar(model_dir: str, prompts, device: str, max_new: int) -
 
 def bf16_flash_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> dict:
     """Flash + graphs vs eager SDPA in bf16: the share of identical rows (bf16 reductions of
-    different shapes may flip near-ties; DESIGN §3)."""
+    different shapes may flip near-ties; docs/design.md §2.3, §4.4)."""
     why_not = flash.unavailable_reason(torch.device(device), torch.bfloat16)
     if why_not:
         return {"flash": f"not run: {why_not}"}

@@ -1,4 +1,4 @@
-"""Train the diffusion view of a Qwen3 or Orthrus checkpoint (DESIGN §2.4).
+"""Train the diffusion view of a Qwen3 or Orthrus checkpoint (docs/design.md §7).
 
     python -m jobs.train --model models/tiny-orthrus-py --out runs/diff --data stdlib --steps 2000
 

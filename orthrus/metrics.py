@@ -1,4 +1,4 @@
-"""The acceptance metrics, defined once (DESIGN §2.2) and used by the engine, the trainer's
+"""The acceptance metrics, defined once (docs/design.md §2.4) and used by the engine, the trainer's
 evaluation, the job summary and the benchmark.
 
 *Tokens per cycle* (the acceptance length) = (accepted drafts + iterations) / iterations, an AR

@@ -2,7 +2,7 @@
 
 Shape legend: b rows, T positions per row, K block size, V vocabulary.
 
-Losslessness rests on two rules (DESIGN §2.2): the target ``p`` (AR view) and the proposal ``q``
+Losslessness rests on two rules (docs/design.md §2.3): the target ``p`` (AR view) and the proposal ``q``
 (diffusion view) go through the *same* processing, and every draft is drawn from its own ``q``
 independently of the others, so the accept/residual rule below is standard speculative sampling.
 Greedy rows use one-hot distributions, for which the same rule reduces to "accept while the draft

@@ -9,7 +9,7 @@ One frozen AR pass over the clean sequence gives every layer's K/V (exactly what
 cache would hold) and the teacher's next-token distributions. Each anchor ``a`` makes a block
 ``[x_a, M × (K-1)]`` at positions ``a … a+K-1`` run through the diffusion view. A block query sees
 AR keys strictly before its anchor (at inference the anchor is in the block, not in the cache) and
-every key of its own block, never another block (DESIGN §2.4). Block row ``i`` learns the teacher's
+every key of its own block, never another block (docs/design.md §7.1). Block row ``i`` learns the teacher's
 distribution for position ``a+i+1``. Only the ``*_diff`` twins receive gradients.
 
 Both passes run the model's one layer loop (``OrthrusModel.forward``); they differ only in their

@@ -1,4 +1,4 @@
-"""FlashAttention's KV-cache kernel: the GPU form of ``backends.ragged_attention`` (DESIGN §2.3).
+"""FlashAttention's KV-cache kernel: the GPU form of ``backends.ragged_attention`` (docs/design.md §3.2).
 
 Shape legend
     B   cache slots          b   rows of this forward       T   query tokens per row

@@ -60,7 +60,7 @@ class OrthrusModel(nn.Module):
 
 
 class OrthrusForCausalLM(PreTrainedModel):
-    """One Qwen3 model, two attention views sharing one KV cache (DESIGN §2.1).
+    """One Qwen3 model, two attention views sharing one KV cache (docs/design.md §2.1).
 
     ``forward(input_ids)`` is the plain AR model (all positions' logits). The engine uses
     ``forward_cached`` to run either view on a block over the ragged cache; both, and training, run

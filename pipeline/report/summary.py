@@ -2,7 +2,7 @@
 
 Row and speculation statistics cover the whole output directory (every run that resumed into
 it), merged from the parts' footers (``output/stats.py``), so the summary costs the same at a
-thousand rows and at a billion; throughput covers this run only. Metric names follow DESIGN §2.2: *tokens per cycle* =
+thousand rows and at a billion; throughput covers this run only. Metric names follow docs/design.md §2.4: *tokens per cycle* =
 accepted drafts + 1 per cycle; *TPF* (tokens per forward pass) = tokens per cycle / 2.
 """
 from __future__ import annotations
