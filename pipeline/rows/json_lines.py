@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -129,7 +130,9 @@ def parse_line(number: int, raw: bytes, name: str) -> tuple[dict | None, str | N
         return None, f"{where}: not valid JSON: {e.msg} (column {e.colno})"
     except _IntRange:
         return None, f"{where}: an integer does not fit in 64 bits"
-    except (ValueError, RecursionError) as e:     # an over-long integer, nesting too deep
+    except RecursionError:
+        return None, f"{where}: nested deeper than the JSON parser allows (about {sys.getrecursionlimit()} levels)"
+    except ValueError as e:                       # an over-long integer
         return None, f"{where}: not valid JSON: {e}"
     if not isinstance(obj, dict):
         return None, f"{where}: not a JSON object but {kind(obj)}"
