@@ -433,3 +433,19 @@ def test_openai_body_keys_follow_one_rule_and_name_the_users_field_and_line(tmp_
         "zero": "line 6 of b.jsonl: body.max_tokens must be an int in [1, 1048576], got 0",
         "seed": "line 7 of b.jsonl: body.seed must be None or an int in [0, 2**63), got -1",
         "top": "line 8 of b.jsonl: body.top_logprobs must be None or an int in [0, 20], got 99"}
+
+
+def test_a_duplicate_custom_id_names_custom_id_the_source_file_and_both_lines(tmp_path):
+    from pipeline.rows.checks import file_ids
+
+    chat = [{"role": "user", "content": "hi"}]
+    path = _write(tmp_path / "in" / "b.jsonl", [_request("a", messages=chat), _request("dup", messages=chat), "",
+                                                _request("c", messages=chat), _request("dup", messages=chat)])
+    new, _ = _stage(tmp_path, [path], "openai_batch")
+    assert file_ids(new.paths[0], "id", None).error == (
+        f"custom_id 'dup' appears twice in {path}: lines 2 and 5; ids must be unique (they key exactly-once output "
+        "and resume)")
+    jsonl = _write(tmp_path / "j" / "rows.jsonl", [{"id": 7, "prompt": "p"}, {"id": 7, "prompt": "q"}])
+    new, _ = _stage(tmp_path, [jsonl], "jsonl")
+    assert file_ids(new.paths[0], "id", None).error.startswith(f"'id' (input.id_column) '7' appears twice in {jsonl}: "
+                                                               "lines 1 and 2")

@@ -37,10 +37,10 @@ from pipeline.output.directory import STAGED_DIR, OutputDir
 from pipeline.rows.inputs import PARQUET_SUFFIXES, resolve_files
 from pipeline.rows.json_lines import JSON_SUFFIXES, Tally, jsonl_tables, open_stream
 from pipeline.rows.openai_batch import openai_tables
+from pipeline.rows.staged_source import STAGED_KEY
 from pipeline.storage.uris import STORE_ERRORS
 from pipeline.tasks import map_tasks
 
-STAGED_KEY = "orthrus.staged"     # footer key: the record of the source a staged file was made from
 _VERSION = 1                      # of the conversion rules; another version converts again
 _SNIFF_BLOCK, _SNIFF_LIMIT = 1 << 20, 8 << 20
 _MAGIC = {b"PAR1": "it looks like a Parquet file", b"\x1f\x8b": "it looks gzip-compressed: name it .gz",
@@ -288,3 +288,4 @@ def stage(sources: JsonSources, cfg: InputConfig, out: OutputDir) -> InputConfig
     if sources.format == "openai_batch":
         update.update(id_column="id", prompt_column="prompt", messages_column="messages")
     return cfg.model_copy(update=update)
+
