@@ -449,3 +449,18 @@ def test_a_duplicate_custom_id_names_custom_id_the_source_file_and_both_lines(tm
     new, _ = _stage(tmp_path, [jsonl], "jsonl")
     assert file_ids(new.paths[0], "id", None).error.startswith(f"'id' (input.id_column) '7' appears twice in {jsonl}: "
                                                                "lines 1 and 2")
+
+
+def test_job_columns_that_ask_for_an_unsupported_option_are_their_rows_error(tmp_path):
+    from test_structured_pipeline import _job, _preprocess
+
+    path = _write(tmp_path / "j" / "rows.jsonl", [{"id": "a", "prompt": "p", "presence_penalty": 0.0, "n": 3},
+                                                  {"id": "b", "prompt": "p", "presence_penalty": 0.5}])
+    new, _ = _stage(tmp_path, [path], "jsonl")
+    errors = {r["id"]: r[INPUT_ERROR] for r in _rows(new.paths[0])}
+    assert errors == {"a": None, "b": "line 2 of rows.jsonl: presence_penalty: not supported (got 0.5)"}
+    (tmp_path / "pq").mkdir()
+    cfg = _job(tmp_path / "pq", {"max_new_tokens": 4}, id=["x", "y"], prompt=["p", "q"], min_p=[0.0, 0.1],
+               n=[1, 5])                                                  # 'n' is data here: passed through
+    rows = {r["id"]: r for r in _preprocess(cfg)}
+    assert rows["x"]["error"] is None and rows["y"]["error"] == "column 'min_p': not supported (got 0.1)"

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipeline.rows.inputs import INPUT_ERROR
+from pipeline.rows.request_keys import JOB_COLUMNS, unsupported
 from pipeline.rows.structured import STRUCTURED
 
 ROW_GROUP = 8192                           # rows per chunk, and per row group of a staged file
@@ -226,6 +227,8 @@ def _row_id(obj: dict | None, number: int, id_column: str, has_id: bool, name: s
         error = f"{where}: {id_column!r} (input.id_column) must be a string or an integer, not {kind(value)}"
     if error is None and obj is not None and INPUT_ERROR in obj:
         error = f"{where}: the key {INPUT_ERROR!r} is reserved"
+    if error is None and obj is not None:      # request options we do not implement (request_keys.py)
+        error = next((f"{where}: {k}: {why}" for k in JOB_COLUMNS if (why := unsupported(k, obj.get(k)))), None)
     return row_id, synthetic, error
 
 

@@ -9,6 +9,11 @@ processor's ``sampling_params`` (vLLM's names) and OpenAI batch ``body`` objects
 - any other key with a non-null value, and a :data:`DEFAULTS` key with another value, is that
   row's error naming the user's key (``body.frequency_penalty: not supported``): a silently
   ignored option would give the row a completion it did not ask for.
+
+The job's input columns follow the same rule for the options in :data:`JOB_COLUMNS` (a column
+``presence_penalty`` at 0.5 is that row's error; at 0 it passes through). Every other column passes
+through to the output as before: a job's input has columns of its own (``n``, ``name``, ``model``)
+that are data, not requests.
 """
 from __future__ import annotations
 
@@ -29,6 +34,17 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": ("",), "modalities": (["text"],), "audio": ({},), "prediction": ({},),
     "web_search_options": ({},),
 }
+
+
+JOB_COLUMNS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "best_of",
+               "logit_bias", "ignore_eos")
+
+
+def unsupported(key: str, value: Any) -> str | None:
+    """Why a job input column's value asks for something this job does not do (None: it does not)."""
+    if key not in JOB_COLUMNS or value is None or _is_default(key, value):
+        return None
+    return f"not supported (got {value!r})"[:200]
 
 
 def _is_default(key: str, value: Any) -> bool:
