@@ -234,18 +234,19 @@ class SlotGrammars:
         # before it: llguidance 1.9.1 cannot consume the end token after rolling a drafted one back.
         ends = np.isin(drafts, self._eos)
         cut = np.where(ends.any(1), ends.argmax(1), drafts.shape[1])
-        jobs = []
+        jobs, walked = [], []
         for i, s in enumerate(rows.tolist()):   # SYNC: none (host numpy)
             if self.constrained[s]:
                 out[i * k] = self.first[s]      # position 0: the mask after the row's tokens, known
                 if cut[i]:
                     out[i * k + 1: (i + 1) * k] = 0
                     jobs.append((self.matchers[s], i * k, drafts[i, : cut[i]].tolist()))   # SYNC: none (host numpy, read once per cycle)
+                    walked.append((i, s))
         if jobs:
             llnp.fill_next_token_bitmask_par_with_draft_tokens(shared_executor(), jobs, out)
             out[~out.any(-1)] = -1      # positions after a refused draft: left empty by llguidance
-            for i, s in enumerate(rows.tolist()):   # SYNC: none (host numpy)
-                if self.constrained[s] and not self._check(s):
+            for i, s in walked:
+                if not self._check(s):
                     out[i * k: (i + 1) * k] = -1    # a failed row's masks: all-ones, its tokens unused
         return out.reshape(n, k, self.words)
 
