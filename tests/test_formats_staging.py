@@ -464,3 +464,16 @@ def test_job_columns_that_ask_for_an_unsupported_option_are_their_rows_error(tmp
                n=[1, 5])                                                  # 'n' is data here: passed through
     rows = {r["id"]: r for r in _preprocess(cfg)}
     assert rows["x"]["error"] is None and rows["y"]["error"] == "column 'min_p': not supported (got 0.1)"
+
+
+def test_a_custom_id_in_two_source_files_names_both_files_and_lines(tmp_path):
+    from pipeline.rows.checks import check_ids
+    from pipeline.rows.inputs import inspect_inputs
+
+    chat = [{"role": "user", "content": "hi"}]
+    a = _write(tmp_path / "in" / "a.jsonl", [_request("x", messages=chat), _request("dup", messages=chat)])
+    b = _write(tmp_path / "in" / "b.jsonl", ["", _request("dup", messages=chat), _request("y", messages=chat)])
+    new, _ = _stage(tmp_path, [a, b], "openai_batch")
+    with pytest.raises(ConfigError) as e:
+        check_ids(inspect_inputs(new))
+    assert str(e.value).startswith(f"custom_id 'dup' appears in {a} line 2 and in {b} line 2; ")

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from pipeline.config import ConfigError
 from pipeline.rows.column_types import check_group
 from pipeline.rows.inputs import InputPlan
-from pipeline.rows.staged_source import duplicate_in_source
+from pipeline.rows.staged_source import duplicate_across_sources, duplicate_in_source
 
 _POWERS = np.array([pow(1099511628211, i, 1 << 64) for i in range(64)], dtype=np.uint64)
 
@@ -182,7 +182,8 @@ def check_ids(plan: InputPlan) -> None:
     total = sum(count for count, _, _ in found)
     if total:
         _, example, holders = next(f for f in found if f[0])
-        raise ConfigError(_duplicate_error(column, total, example, holders))
+        named = duplicate_across_sources(holders, fs, column, example, total)
+        raise ConfigError(named or _duplicate_error(column, total, example, holders))
 
 
 def verify_file(path: str, plan: InputPlan) -> str | None:

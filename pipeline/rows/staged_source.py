@@ -59,3 +59,22 @@ def duplicate_in_source(path: str, fs: pafs.FileSystem | None, ids: pa.ChunkedAr
     more = f" ({count} duplicate ids in all)" if count > 1 else ""
     return (f"{key} {dup!r} appears twice in {record['source']}: {where}{more}; ids must be unique "
             "(they key exactly-once output and resume)")
+
+
+def duplicate_across_sources(paths: list[str], fs: pafs.FileSystem | None, column: str, dup: str,
+                             count: int) -> str | None:
+    """A duplicate id in two staged files, named as the user wrote it: the key, both source files
+    and the line in each; None unless both files are staged."""
+    records = [staged_record(p, fs) for p in paths[:2]]
+    if len(records) < 2 or None in records:
+        return None
+    places = []
+    for path, record in zip(paths, records):
+        ids = pq.read_table(path, columns=[column], filesystem=fs)[column]
+        row = int(np.flatnonzero(pc.equal(ids, dup).to_numpy(zero_copy_only=False))[0])
+        lines = source_lines(record, [row])
+        places.append(f"{record['source']} line {lines[0]}" if lines else f"{record['source']} row {row}")
+    key = "custom_id" if records[0].get("format") == "openai_batch" else f"{records[0].get('id_column')!r} (input.id_column)"
+    more = f" ({count} duplicate ids in all)" if count > 1 else ""
+    return f"{key} {dup!r} appears in {places[0]} and in {places[1]}{more}; ids must be unique (they key " \
+           "exactly-once output and resume)"
