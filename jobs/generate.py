@@ -28,9 +28,8 @@ import sys
 from pipeline.run.cluster import connect
 from pipeline.config import ConfigError, load_config
 from pipeline.run.job import preflight, run, take_lease
-from pipeline.run.crash import crash_message
+from pipeline.run.crash import crash_message, refusal_message
 from pipeline.output.directory import OutputWriteError
-from pipeline.rows.source import InputFileError
 from pipeline.run.commit import settle_ray_data_threads
 
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(prepared, connect(args.address))
     except ConfigError as e:
         _shutdown_ray()
-        print(f"error: {e.message if isinstance(e, InputFileError) else e}", file=sys.stderr)
+        print(f"error: {refusal_message(e, output)}", file=sys.stderr)
         return 2
     except OutputWriteError as e:
         print(f"error: {e}", file=sys.stderr)

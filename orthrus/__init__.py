@@ -6,12 +6,12 @@ sampling and speculative acceptance), ``orthrus.params`` (request parameters and
 ``orthrus.metrics`` (the acceptance metrics), ``orthrus.constraints`` (structured-output
 constraints; their grammar masks live in ``orthrus.engine.grammar``). Training lives apart, in ``orthrus_train``.
 """
-from orthrus.constraints import Constraint
+from orthrus.constraints import Constraint, ConstraintError
 from orthrus.engine import EngineStepError, FinishReason, GenerationResult, OrthrusEngine, RequestOutput
 from orthrus.engine.grammar import check_structured
 from orthrus.metrics import tokens_per_cycle
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import RowStats, SamplingParams
 
-__all__ = ["Constraint", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
+__all__ = ["Constraint", "ConstraintError", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
            "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]

@@ -43,6 +43,15 @@ class Constraint:
         return {self.kind: value}
 
 
+class ConstraintError(ValueError):
+    """A constraint this engine cannot use: ``field`` (``structured.<kind>``) and ``reason`` (a
+    sentence after it), so callers can name their own field instead (``column 'structured'``)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"SamplingParams.{field} {reason}"[:2000])
+        self.field, self.reason = field, reason
+
+
 def parse_constraint(value: Any) -> Constraint | None:
     """``None`` / a :class:`Constraint` / ``{kind: value}`` → a Constraint (or None); a ``ValueError``
     naming ``SamplingParams.structured`` and the key for anything else."""

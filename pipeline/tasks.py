@@ -19,4 +19,12 @@ def map_tasks(fn: Callable[..., Any], calls: list[tuple]) -> list:
     if not ray.is_initialized():
         return [fn(*args) for args in calls]
     task = ray.remote(fn).options(num_cpus=1, max_retries=3)
-    return ray.get([task.remote(*args) for args in calls])
+    try:
+        return ray.get([task.remote(*args) for args in calls])
+    except ray.exceptions.RayTaskError as e:
+        # The task's own exception (a refusal such as ConfigError reads as one line), not Ray's
+        # wrapper of it, whose message is the remote traceback; that stays on the chain for logs.
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from e
+        raise

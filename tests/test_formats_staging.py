@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -272,7 +273,7 @@ def test_sniff_names_files_that_are_not_json_lines(tmp_path):
 
     csv = tmp_path / "table.jsonl"
     csv.write_text("id,prompt\na,p\n")
-    with pytest.raises(ConfigError, match="is not JSON Lines .*first line is not a JSON object") as e:
+    with pytest.raises(ConfigError, match="is not JSON Lines .*it looks like CSV") as e:
         sniff_sources(InputConfig(paths=[str(csv)]), STORAGE, "jsonl")
     assert str(csv) in str(e.value)
 
@@ -378,3 +379,101 @@ def test_the_job_refuses_a_file_that_is_not_its_declared_format_before_any_model
     assert main(["--config", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert "requests.jsonl" in err and "Parquet" in err and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- issue 32: bad lines, body keys
+
+def test_a_broken_first_line_is_its_rows_error_and_only_other_formats_are_refused(tmp_path):
+    good = [{"id": "g1", "prompt": "p1"}, {"id": "g2", "prompt": "p2"}]
+    deep = b'{"id": "d", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    cases = {"utf8.jsonl": b'{"id": "u", "prompt": "caf\xe9"}', "deep.jsonl": deep, "array.jsonl": b"[1, 2]",
+             "scalar.jsonl": b"{broken"}
+    for name, first in cases.items():
+        path = tmp_path / name.removesuffix(".jsonl") / name
+        _write(path, good)
+        path.write_bytes(first + b"\n" + path.read_bytes())
+    paths = [str(tmp_path / n.removesuffix(".jsonl") / n) for n in cases if n != "array.jsonl"]
+    new, _ = _stage(tmp_path, paths, "jsonl")
+    rows = [r for p in new.paths for r in _rows(p)]
+    assert len(rows) == 3 * len(paths)                                   # rows in == rows out
+    errors = {r["id"]: r[INPUT_ERROR] for r in rows if r[INPUT_ERROR]}
+    assert errors == {
+        "utf8.jsonl:1": "line 1 of utf8.jsonl: not valid UTF-8 (invalid continuation byte at byte 26)",
+        "deep.jsonl:1": f"line 1 of deep.jsonl: nested deeper than the JSON parser allows (about "
+                        f"{sys.getrecursionlimit()} levels)",
+        "scalar.jsonl:1": "line 1 of scalar.jsonl: not valid JSON: Expecting property name enclosed in double quotes "
+                          "(column 2)"}
+    assert sorted(r["prompt"] for r in rows if not r[INPUT_ERROR]) == ["p1", "p1", "p1", "p2", "p2", "p2"]
+    with pytest.raises(ConfigError, match="array.jsonl is not JSON Lines .*looks like a JSON array document"):
+        sniff_sources(InputConfig(paths=[str(tmp_path / "array" / "array.jsonl")]), STORAGE, "jsonl")
+
+
+def test_openai_body_keys_follow_one_rule_and_name_the_users_field_and_line(tmp_path):
+    chat = [{"role": "user", "content": "hi"}]
+    path = _write(tmp_path / "in" / "b.jsonl", [
+        _request("ok", messages=chat, model="gpt-x", user="u", metadata={"k": "v"}, frequency_penalty=0,
+                 presence_penalty=0.0, tools=[], tool_choice="none", store=False),
+        _request("freq", messages=chat, frequency_penalty=0.5),
+        _request("tools", messages=chat, tools=[{"type": "function", "function": {"name": "f"}}]),
+        _request("choice", messages=chat, tool_choice="required"),
+        _request("unknown", messages=chat, temprature=0.3),
+        _request("zero", messages=chat, max_tokens=0),
+        _request("seed", "/v1/completions", prompt="p", seed=-1),
+        _request("top", messages=chat, logprobs=True, top_logprobs=99),
+    ])
+    new, _ = _stage(tmp_path, [path], "openai_batch")
+    rows = {r["id"]: r for r in _rows(new.paths[0])}
+    assert len(rows) == 8 and rows["ok"][INPUT_ERROR] is None and rows["ok"]["messages"] is not None
+    errors = {i: r[INPUT_ERROR] for i, r in rows.items() if i != "ok"}
+    assert errors == {
+        "freq": "line 2 of b.jsonl: body.frequency_penalty: not supported (got 0.5)",
+        "tools": "line 3 of b.jsonl: body.tools: not supported (got [{'type': 'function', 'function': {'name': 'f'}}])",
+        "choice": "line 4 of b.jsonl: body.tool_choice: not supported (got 'required')",
+        "unknown": "line 5 of b.jsonl: body.temprature: not a field this job knows (got 0.3)",
+        "zero": "line 6 of b.jsonl: body.max_tokens must be an int in [1, 1048576], got 0",
+        "seed": "line 7 of b.jsonl: body.seed must be None or an int in [0, 2**63), got -1",
+        "top": "line 8 of b.jsonl: body.top_logprobs must be None or an int in [0, 20], got 99"}
+
+
+def test_a_duplicate_custom_id_names_custom_id_the_source_file_and_both_lines(tmp_path):
+    from pipeline.rows.checks import file_ids
+
+    chat = [{"role": "user", "content": "hi"}]
+    path = _write(tmp_path / "in" / "b.jsonl", [_request("a", messages=chat), _request("dup", messages=chat), "",
+                                                _request("c", messages=chat), _request("dup", messages=chat)])
+    new, _ = _stage(tmp_path, [path], "openai_batch")
+    assert file_ids(new.paths[0], "id", None).error == (
+        f"custom_id 'dup' appears twice in {path}: lines 2 and 5; ids must be unique (they key exactly-once output "
+        "and resume)")
+    jsonl = _write(tmp_path / "j" / "rows.jsonl", [{"id": 7, "prompt": "p"}, {"id": 7, "prompt": "q"}])
+    new, _ = _stage(tmp_path, [jsonl], "jsonl")
+    assert file_ids(new.paths[0], "id", None).error.startswith(f"'id' (input.id_column) '7' appears twice in {jsonl}: "
+                                                               "lines 1 and 2")
+
+
+def test_job_columns_that_ask_for_an_unsupported_option_are_their_rows_error(tmp_path):
+    from test_structured_pipeline import _job, _preprocess
+
+    path = _write(tmp_path / "j" / "rows.jsonl", [{"id": "a", "prompt": "p", "presence_penalty": 0.0, "n": 3},
+                                                  {"id": "b", "prompt": "p", "presence_penalty": 0.5}])
+    new, _ = _stage(tmp_path, [path], "jsonl")
+    errors = {r["id"]: r[INPUT_ERROR] for r in _rows(new.paths[0])}
+    assert errors == {"a": None, "b": "line 2 of rows.jsonl: presence_penalty: not supported (got 0.5)"}
+    (tmp_path / "pq").mkdir()
+    cfg = _job(tmp_path / "pq", {"max_new_tokens": 4}, id=["x", "y"], prompt=["p", "q"], min_p=[0.0, 0.1],
+               n=[1, 5])                                                  # 'n' is data here: passed through
+    rows = {r["id"]: r for r in _preprocess(cfg)}
+    assert rows["x"]["error"] is None and rows["y"]["error"] == "column 'min_p': not supported (got 0.1)"
+
+
+def test_a_custom_id_in_two_source_files_names_both_files_and_lines(tmp_path):
+    from pipeline.rows.checks import check_ids
+    from pipeline.rows.inputs import inspect_inputs
+
+    chat = [{"role": "user", "content": "hi"}]
+    a = _write(tmp_path / "in" / "a.jsonl", [_request("x", messages=chat), _request("dup", messages=chat)])
+    b = _write(tmp_path / "in" / "b.jsonl", ["", _request("dup", messages=chat), _request("y", messages=chat)])
+    new, _ = _stage(tmp_path, [a, b], "openai_batch")
+    with pytest.raises(ConfigError) as e:
+        check_ids(inspect_inputs(new))
+    assert str(e.value).startswith(f"custom_id 'dup' appears in {a} line 2 and in {b} line 2; ")

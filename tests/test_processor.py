@@ -36,7 +36,7 @@ def test_sampling_params_take_vllms_names_from_a_struct_or_a_map():
     assert sampling_params_of([("max_tokens", 3)]).max_new_tokens == 3          # a map column's value
     unseeded = {sampling_params_of(None).seed for _ in range(4)}
     assert len(unseeded) == 4                                                   # random, and reported
-    for bad, message in (({"presence_penalty": 1.0}, "sampling_params.presence_penalty is not supported"),
+    for bad, message in (({"presence_penalty": 1.0}, "sampling_params.presence_penalty: not supported"),
                          ({"max_tokens": 0.5}, "sampling_params.max_tokens must be an integer"),
                          ({"temperature": "hot"}, "sampling_params.temperature must be a number"),
                          ({"logprobs": 99}, "SamplingParams.logprobs"), ("x", "must be a struct or map")):

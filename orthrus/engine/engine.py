@@ -184,6 +184,10 @@ class OrthrusEngine:
         """One iteration: free aborted slots, admit waiting requests into free slots (one padded
         prefill), one cycle or AR step over the occupied slots → the requests that finished in it.
 
+        A request whose own grammar fails mid-decode (a limit of the grammar engine no check at
+        ``add_request`` foresaw) ends alone, ``finish_reason="error"`` with ``RequestOutput.error``
+        saying why; the others go on exactly as without it.
+
         If the device work raises, every unfinished request is dropped (the engine is reset to
         empty, usable again) and :class:`EngineStepError` names them; its cause is the original error.
         """
@@ -267,8 +271,8 @@ class OrthrusEngine:
         """The attention backend chosen at construction."""
         return self.runner.backend
 
-    def _output(self, slot: int, reason: FinishReason, hit: StopHit | None) -> RequestOutput:
-        """Free ``slot`` and build its request's output."""
+    def _output(self, slot: int, reason: FinishReason, hit: StopHit | None, error: str | None = None) -> RequestOutput:
+        """Free ``slot`` and build its request's output (``error``: why it ended in error)."""
         req, tokens, stats = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
         lp = self.table.logprobs.release(slot, len(tokens))
         del self._requests[req.request_id]
@@ -281,14 +285,17 @@ class OrthrusEngine:
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, stats, hit.text, lp)
         stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
-        return req.output(tokens, reason, stop_reason, stats, logprobs=lp)
+        return req.output(tokens, reason, stop_reason, stats, logprobs=lp, error=error)
 
     def _decode(self, slots: np.ndarray) -> list[RequestOutput]:
         """One cycle (or AR step) over the occupied ``slots`` that can still generate, plus the rows
         admitted this step whose prefill already completed them → the requests that finished."""
         remaining = self.table.remaining(slots)
-        # (a constrained row's masks need its first token on the host: it sits its first step out)
+        # (a constrained row's masks need its first token on the host: it sits its first step out;
+        # so does one whose grammar failed at admission, which ends below)
         done_at_prefill = (remaining <= 0) | self.grammars.awaiting_first(slots, self.table.count)
+        if self.grammars.failed:
+            done_at_prefill |= np.isin(slots, list(self.grammars.failed))
         settled, live = (slots[done_at_prefill], slots[~done_at_prefill]) if done_at_prefill.any() else (slots[:0], slots)
         lp = self.table.logprobs.width(slots)      # None: no row asked, no logprob work or transfer
         plan, rows, where, chosen, start = None, live, None, AR, time.perf_counter()
@@ -316,11 +323,15 @@ class OrthrusEngine:
             self.policy.observe(chosen, len(live), time.perf_counter() - start, tokens, n_live)
         ended = dict(zip(done.tolist(), reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(slots)
-        cut = [s for s in hits if s not in ended]
-        if cut:   # rows whose stop string ended them while the device still thinks they run
+        failed = self.grammars.take_failed()      # rows whose own grammar failed: they end in error
+        for s in failed:
+            hits.pop(s, None)
+        cut = [s for s in (*hits, *failed) if s not in ended]
+        if cut:   # rows the host ended (a stop string, a failed grammar) while the device thinks they run
             self.runner.kill(np.asarray(cut))
-        return [self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
-                for s in sorted(set(ended) | set(hits))]
+        return [self._output(s, FinishReason.ERROR, None, failed[s]) if s in failed else
+                self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
+                for s in sorted(set(ended) | set(hits) | set(failed))]
 
     def _choose_block(self, occupancy: int) -> int:
         """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from orthrus.constraints import Constraint, parse_constraint
+from orthrus.constraints import Constraint, ConstraintError, parse_constraint
+from orthrus.engine.grammar_limits import check_limits
 from orthrus.engine.staging import HostStaging
 from orthrus.engine.syncs import note_transfer
 
@@ -58,20 +60,52 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         # The grammar's end is the model's end-of-sequence: a complete grammar allows these tokens only.
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.words, self.eos = words(vocab_size), np.asarray(eos_token_ids, dtype=np.int64)
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
 
     def matcher(self, c: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher for ``c``; ``ValueError`` naming ``structured.<kind>`` if it does not compile."""
+        """A fresh matcher for ``c``; :class:`ConstraintError` (a ``ValueError``) naming
+        ``structured.<kind>`` if it does not compile, would exceed the grammar engine's limits
+        (``grammar_limits.py``) or admits no non-empty text."""
         proto = self._compiled.get(c)
         if proto is None:
+            check_limits(c)
             proto = llguidance.LLMatcher(self.tokenizer, _grammar(c), log_level=0)
             if proto.is_error():
-                raise ValueError(f"SamplingParams.{c.field} does not compile: {proto.get_error()}"[:2000])
+                raise ConstraintError(c.field, f"does not compile: {proto.get_error()}")
+            self._check_start(c, proto)
             self._compiled[c] = proto
             if len(self._compiled) > COMPILED_CACHE:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(c)
         return proto.deep_copy()
+
+    def _check_start(self, c: Constraint, proto: llguidance.LLMatcher) -> None:
+        """The first token's mask, on a copy: a grammar that fails there, or that allows only the end
+        (its language is empty or holds only the empty text), is refused now, not at its first step."""
+        probe, mask = proto.deep_copy(), np.zeros((1, self.words), dtype=np.int32)
+        llnp.fill_next_token_bitmask(probe, mask, 0)
+        if probe.is_error() and not _only_end(mask[0], self.eos):
+            raise ConstraintError(c.field, f"fails at its first token: {first_line(probe.get_error())}")
+        if _only_end(mask[0], self.eos):
+            what = "JSON value" if c.kind == "json_schema" else "text but the empty one"
+            raise ConstraintError(c.field, f"admits no {what}: its grammar can only end at once")
+
+
+def first_line(error: str) -> str:
+    """llguidance's error message without the parser state dump that follows it; the dump's item
+    count is kept (after a rollback the message itself is only "parser error")."""
+    line = error.strip().splitlines()[0][:500] if error.strip() else "unknown error"
+    items = re.search(r'"all_items": (\d+)', error)
+    return f"{line} (parse items: {items.group(1)})" if items and "items" not in line else line
+
+
+def _only_end(words_: np.ndarray, eos: np.ndarray) -> bool:
+    """Whether a mask ``[W]`` allows nothing but end tokens (or nothing at all)."""
+    bits = words_.view(np.uint32).copy()
+    for t in eos.tolist():   # SYNC: none (host numpy, a few ids)
+        bits[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return not bits.any()
 
 
 def _grammar(c: Constraint) -> str:
@@ -85,7 +119,7 @@ def _grammar(c: Constraint) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(c.spec))
     except Exception as e:   # the GBNF converter raises on text it cannot read
-        raise ValueError(f"SamplingParams.{c.field} is neither a Lark nor a GBNF grammar: {e}") from None
+        raise ConstraintError(c.field, f"is neither a Lark nor a GBNF grammar: {e}") from None
 
 
 class SlotGrammars:
@@ -102,6 +136,8 @@ class SlotGrammars:
         self._compiler: GrammarCompiler | None = None    # built at the first constraint (~1 s at 151k tokens)
         self.vocab_size, self.words = vocab_size, words(vocab_size)
         self.matchers: list[llguidance.LLMatcher | None] = [None] * num_slots
+        self.fields: list[str | None] = [None] * num_slots     # each slot's ``structured.<kind>``
+        self.failed: dict[int, str] = {}     # slots whose matcher failed, and why: their rows end in error
         self.constrained = np.zeros(num_slots, dtype=bool)
         self.consumed = np.zeros(num_slots, dtype=np.int64)
         self.first = np.full((num_slots, self.words), -1, dtype=np.int32)     # [B, W]
@@ -122,18 +158,40 @@ class SlotGrammars:
         seated = [(s, c) for s, c in zip(slots.tolist(), constraints) if c is not None]  # SYNC: none (host numpy)
         for slot, c in seated:
             m = self.matcher(c)
-            self.matchers[slot], self.constrained[slot], self.consumed[slot] = m, True, 0
+            self.matchers[slot], self.fields[slot], self.constrained[slot], self.consumed[slot] = m, c.field, True, 0
             llnp.fill_next_token_bitmask(m, self.first, slot)
+            self._check(slot)
         return self.first[slots] if seated else None
+
+    def _check(self, slot: int) -> bool:
+        """Whether the slot's matcher is sound; one that entered llguidance's error state (a limit
+        no check at add time could foresee) fails its own row only: the slot is unconstrained from
+        here on (all-ones masks, so its arithmetic stays finite beside the others) and the engine
+        ends the row with finish reason "error" after this iteration."""
+        m = self.matchers[slot]
+        if m is None or not m.is_error():
+            return True
+        self.failed[slot] = (f"SamplingParams.{self.fields[slot]}: the grammar engine failed after "
+                             f"{self.consumed[slot]} generated token(s): {first_line(m.get_error())}")
+        self.matchers[slot], self.constrained[slot] = None, False
+        self.first[slot] = -1
+        return False
+
+    def take_failed(self) -> dict[int, str]:
+        """The slots whose matcher failed since the last call, and why (then forgotten)."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def release(self, slot: int) -> None:
         """The slot's row ended: forget its matcher."""
-        self.matchers[slot], self.constrained[slot] = None, False
+        self.matchers[slot], self.fields[slot], self.constrained[slot] = None, None, False
         self.first[slot] = -1
 
     def reset(self) -> None:
         """Every slot unconstrained (the compiled constraints stay cached)."""
         self.matchers = [None] * len(self.matchers)
+        self.fields = [None] * len(self.fields)
+        self.failed = {}
         self.constrained[:] = False
         self.first[:] = -1
 
@@ -155,12 +213,16 @@ class SlotGrammars:
             new = tokens[self.consumed[slot]:].tolist()   # SYNC: none (host numpy)
             m = self.matchers[slot]
             # one by one: llguidance 1.9.1's ``consume_tokens`` refuses a complete grammar's end token
-            if not all(m.consume_token(t) for t in new):
-                raise RuntimeError(f"slot {slot}: the grammar refused a sampled token: {m.get_error()}")
-            self.consumed[slot] = len(tokens)
-            todo.append((m, slot))     # a complete grammar's mask is its end tokens only
+            for t in new:
+                if not m.consume_token(t):
+                    break
+                self.consumed[slot] += 1
+            if self._check(slot):
+                todo.append((m, slot))     # a complete grammar's mask is its end tokens only
         if todo:
             llnp.fill_next_token_bitmask_par(shared_executor(), todo, self.first)
+            for _, slot in todo:
+                self._check(slot)
 
     def path(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """Masks ``[n, K, W]`` for the K verify positions of ``rows`` given their ``drafts [n, K-1]``:
@@ -172,16 +234,20 @@ class SlotGrammars:
         # before it: llguidance 1.9.1 cannot consume the end token after rolling a drafted one back.
         ends = np.isin(drafts, self._eos)
         cut = np.where(ends.any(1), ends.argmax(1), drafts.shape[1])
-        jobs = []
+        jobs, walked = [], []
         for i, s in enumerate(rows.tolist()):   # SYNC: none (host numpy)
             if self.constrained[s]:
                 out[i * k] = self.first[s]      # position 0: the mask after the row's tokens, known
                 if cut[i]:
                     out[i * k + 1: (i + 1) * k] = 0
                     jobs.append((self.matchers[s], i * k, drafts[i, : cut[i]].tolist()))   # SYNC: none (host numpy, read once per cycle)
+                    walked.append((i, s))
         if jobs:
             llnp.fill_next_token_bitmask_par_with_draft_tokens(shared_executor(), jobs, out)
             out[~out.any(-1)] = -1      # positions after a refused draft: left empty by llguidance
+            for i, s in walked:
+                if not self._check(s):
+                    out[i * k: (i + 1) * k] = -1    # a failed row's masks: all-ones, its tokens unused
         return out.reshape(n, k, self.words)
 
 

@@ -18,10 +18,11 @@ class FinishReason(IntEnum):
     STOP = 1      # a stop token (EOS or stop_token_ids) or a stop string
     LENGTH = 2    # max_new_tokens or the context limit
     ABORT = 3     # abort_request
+    ERROR = 4     # the row's own grammar failed mid-decode (``RequestOutput.error`` says why); host-only
 
     @property
     def label(self) -> str:
-        """The public name: "stop" | "length" | "abort"."""
+        """The public name: "stop" | "length" | "abort" | "error"."""
         return self.name.lower()
 
 
@@ -43,7 +44,7 @@ class RequestOutput:
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str               # "stop" | "length" | "abort"
+    finish_reason: str               # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None
     stats: RowStats
     seed: int
@@ -53,6 +54,7 @@ class RequestOutput:
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None         # why a row ended with finish_reason "error" (its own failure)
 
 
 # The result type of ``generate`` (kept for callers of the one-shot API).
@@ -80,7 +82,8 @@ class Request:
         self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
 
     def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
-               stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+               stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None,
+               error: str | None = None) -> RequestOutput:
         """This request's result, timed now (``logprobs`` aligned with ``token_ids``; none given for
         a request that asked for them means no tokens)."""
         now = time.perf_counter()
@@ -91,4 +94,4 @@ class Request:
         lp = {} if k is None else dict(token_logprobs=logprobs.token, top_logprobs=logprobs.top,
                                        cumulative_logprob=logprobs.cumulative)
         return RequestOutput(self.request_id, token_ids, reason.label, stop_reason, stats, self.seed, text,
-                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, **lp)
+                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, error=error, **lp)

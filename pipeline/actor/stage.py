@@ -201,6 +201,9 @@ class GenerationStage:
         if isinstance(r, Exception):
             errors[i] = row_error("decoding failed", r)
             return None
+        if r.finish_reason == "error":   # the row's own grammar failed mid-decode; its batch-mates went on
+            errors[i] = row_error("decoding failed", r.error)
+            return None
         if r.finish_reason == "abort":   # only the row timeout aborts a request that reaches here
             errors[i] = row_error(f"row timeout: aborted after {r.engine_seconds:.1f} s in the engine "
                                   f"(behaviour.row_timeout_s={self.plan.row_timeout_s}) with {len(r.token_ids)} "

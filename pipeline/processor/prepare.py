@@ -25,6 +25,7 @@ from pipeline.rows.errors import ERROR, row_error
 from pipeline.rows.schema import PROCESSOR_INPUTS
 from pipeline.rows.prompts import ChatTemplate, InvalidText, RowError, format_prompt
 from pipeline.rows.request import REQUEST, to_arrow
+from pipeline.rows.request_keys import check_keys
 from pipeline.rows.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 
@@ -61,14 +62,16 @@ def as_int(what: str, value: Any) -> int:
 def _as_dict(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
+    if isinstance(value, InvalidText):
+        value.raise_row_error()
     if isinstance(value, list):          # an Arrow map column reads back as [(key, value), ...]
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+            raise RowError("sampling_params must be a struct or map, got a list")
         value = dict(value)
     if not isinstance(value, dict):
         raise RowError(f"sampling_params must be a struct or map, got {type(value).__name__}")
-    unknown = [k for k, v in value.items() if v is not None and k not in SAMPLING_KEYS]
-    if unknown:
-        raise RowError(f"sampling_params.{unknown[0]} is not supported (supported: {', '.join(SAMPLING_KEYS)})")
-    return {k: v for k, v in value.items() if v is not None}
+    check_keys(value, SAMPLING_KEYS, "sampling_params")
+    return {k: v for k, v in value.items() if v is not None and k in SAMPLING_KEYS}
 
 
 def sampling_params_of(value: Any) -> SamplingParams:
@@ -125,13 +128,32 @@ def values(batch: pa.Table, name: str) -> list:
     try:
         return col.to_pylist()
     except UnicodeDecodeError:
-        out = []
-        for i in range(len(col)):
-            try:
-                out.append(col[i].as_py())
-            except UnicodeDecodeError as e:
-                out.append(InvalidText(name, f"byte {e.start}: {e.reason}"))
-        return out
+        pass
+    except Exception as e:  # noqa: BLE001 - a type Python cannot hold: every row's error, never the batch's
+        why = f"has type {col.type}, which cannot be read ({type(e).__name__})"
+        return [InvalidText(name, why, utf8=False)] * batch.num_rows
+    out = []
+    for i in range(len(col)):
+        try:
+            out.append(col[i].as_py())
+        except UnicodeDecodeError as e:
+            out.append(InvalidText(name, f"byte {e.start}: {e.reason}"))
+    return out
+
+
+def upstream_errors(batch: pa.Table) -> list[str | None]:
+    """The ``error`` column a user's own stages may have set: a row with a non-null one is not
+    generated and keeps it, as text whatever its type (an int, a struct: stringified), so no
+    upstream type can fail the batch."""
+    out: list[str | None] = []
+    for e in values(batch, ERROR):
+        if e is None or isinstance(e, str):
+            out.append(e)
+        elif isinstance(e, InvalidText):
+            out.append(e.message())
+        else:
+            out.append(row_error(str(e)))
+    return out
 
 
 def _encode(tokenizer, texts: list[str], add_special: bool) -> list[list[int] | str]:
@@ -184,7 +206,7 @@ def _tokens(batch: pa.Table, todo: list[int], plan: PreparePlan, tokenizer) -> d
 
 def prepare_batch(batch: pa.Table, plan: PreparePlan) -> pa.Table:
     """Rows -> the same rows with ``__request``, ``num_input_tokens``, ``seed`` and ``error``."""
-    errors: list[str | None] = values(batch, ERROR)
+    errors = upstream_errors(batch)
     params: list[SamplingParams | None] = [None] * batch.num_rows
     fields = values(batch, STRUCTURED_FIELD)     # the job's: where each row's constraint came from
     for i, value in enumerate(values(batch, "sampling_params")):
@@ -194,7 +216,9 @@ def prepare_batch(batch: pa.Table, plan: PreparePlan) -> pa.Table:
             params[i], where = sampling_and_field(value)
             fields[i] = fields[i] or where
         except RowError as e:
-            errors[i] = errors[i] or str(e)
+            errors[i] = str(e)
+        except Exception as e:  # noqa: BLE001 - a value of a type no check foresaw: the row's error
+            errors[i] = row_error("sampling_params cannot be used", e)
     tokenizer = load_tokenizer(resolve_model_dir(plan.model, plan.storage, weights=False))
     for i, p in enumerate(params):    # a constraint that does not compile: the row's error, before an actor
         if errors[i] is None and p is not None and p.structured is not None:

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from pipeline.config import ConfigError
 from pipeline.rows.column_types import check_group
 from pipeline.rows.inputs import InputPlan
+from pipeline.rows.staged_source import duplicate_across_sources, duplicate_in_source
 
 _POWERS = np.array([pow(1099511628211, i, 1 << 64) for i in range(64)], dtype=np.uint64)
 
@@ -72,7 +73,8 @@ def file_ids(path: str, column: str, fs) -> FileIds:
     counts = pc.value_counts(ids)
     dups = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
     if len(dups):
-        return FileIds(path, error=_duplicate_error(column, len(dups), dups[0].as_py(), [path]))
+        named = duplicate_in_source(path, fs, ids, dups[0].as_py(), len(dups))
+        return FileIds(path, error=named or _duplicate_error(column, len(dups), dups[0].as_py(), [path]))
     if not len(ids):
         return FileIds(path)
     bounds = pc.min_max(ids)
@@ -180,7 +182,8 @@ def check_ids(plan: InputPlan) -> None:
     total = sum(count for count, _, _ in found)
     if total:
         _, example, holders = next(f for f in found if f[0])
-        raise ConfigError(_duplicate_error(column, total, example, holders))
+        named = duplicate_across_sources(holders, fs, column, example, total)
+        raise ConfigError(named or _duplicate_error(column, total, example, holders))
 
 
 def verify_file(path: str, plan: InputPlan) -> str | None:

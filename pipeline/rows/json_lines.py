@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipeline.rows.inputs import INPUT_ERROR
+from pipeline.rows.request_keys import JOB_COLUMNS, unsupported
 from pipeline.rows.structured import STRUCTURED
 
 ROW_GROUP = 8192                           # rows per chunk, and per row group of a staged file
@@ -129,7 +131,9 @@ def parse_line(number: int, raw: bytes, name: str) -> tuple[dict | None, str | N
         return None, f"{where}: not valid JSON: {e.msg} (column {e.colno})"
     except _IntRange:
         return None, f"{where}: an integer does not fit in 64 bits"
-    except (ValueError, RecursionError) as e:     # an over-long integer, nesting too deep
+    except RecursionError:
+        return None, f"{where}: nested deeper than the JSON parser allows (about {sys.getrecursionlimit()} levels)"
+    except ValueError as e:                       # an over-long integer
         return None, f"{where}: not valid JSON: {e}"
     if not isinstance(obj, dict):
         return None, f"{where}: not a JSON object but {kind(obj)}"
@@ -223,6 +227,8 @@ def _row_id(obj: dict | None, number: int, id_column: str, has_id: bool, name: s
         error = f"{where}: {id_column!r} (input.id_column) must be a string or an integer, not {kind(value)}"
     if error is None and obj is not None and INPUT_ERROR in obj:
         error = f"{where}: the key {INPUT_ERROR!r} is reserved"
+    if error is None and obj is not None:      # request options we do not implement (request_keys.py)
+        error = next((f"{where}: {k}: {why}" for k in JOB_COLUMNS if (why := unsupported(k, obj.get(k)))), None)
     return row_id, synthetic, error
 
 

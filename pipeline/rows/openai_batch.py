@@ -6,8 +6,9 @@ row's id is ``custom_id``; body's sampling fields become the per-row override co
 (``schema.OVERRIDE_COLUMNS``) under this job's names, and ``response_format`` (or vLLM's
 ``guided_*`` extras) the row's structured-output constraint, staged with the field it came from
 (``rows/structured.py``; whether it compiles is checked with the tokenizer, in the prepare stage,
-and reported naming that field); keys this job has no use for (``model``,
-``user``, ``metadata`` ...) are ignored, as a server that does not implement them would. A line
+and reported naming that field). Keys this job does not read follow ``request_keys.py``'s one rule:
+bookkeeping (``model``, ``user``, ``metadata`` ...) is ignored, an option we do not implement is
+accepted only at its default, anything else is the row's error naming ``body.<key>``. A line
 that breaks a rule becomes an error row (id and ``INPUT_ERROR`` only) naming its line; the
 preprocessing turns that into the row's error.
 """
@@ -20,9 +21,11 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from orthrus import SamplingParams
 from pipeline.rows.inputs import INPUT_ERROR
 from pipeline.rows.json_lines import Tally, kind, parsed_chunks
 from pipeline.rows.prompts import RowError
+from pipeline.rows.request_keys import check_keys
 from pipeline.rows.structured import (GUIDED_KEYS, OFF, STAGED_STRUCTURED, STRUCTURED_FIELD, VLLM_KINDS, Off,
                                       constraint_json, parse_spec)
 
@@ -36,6 +39,10 @@ SCHEMA = pa.schema([
     pa.field(STAGED_STRUCTURED, pa.string()), pa.field(STRUCTURED_FIELD, pa.string()),
     pa.field(INPUT_ERROR, pa.string()),
 ])
+_BODY_NAME = {"max_new_tokens": "max_tokens"}    # the job's name -> the body's, where they differ
+# Body keys this job reads (the prompt's key by url); the rest follow ``request_keys``' one rule.
+BODY_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
+             "top_logprobs", "n", "response_format", *GUIDED_KEYS)
 _PART_SEPARATOR = "\n"          # text parts of one message joined as vLLM's OpenAI server joins them
 
 
@@ -94,6 +101,24 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
             "top_k": 0 if top_k == -1 else top_k,      # vLLM's extension: -1 (like 0) means off
             "seed": _int(body, "seed"), "stop": _stop(body.get("stop")),
             "logprobs": _chat_logprobs(body) if chat else _int(body, "logprobs")}
+
+
+def _checked(sampling: dict[str, Any], body: dict) -> dict[str, Any]:
+    """The sampling values, checked now by the engine's own rules, so a bad one names the body's key
+    and its line (later it could only name the job's column)."""
+    given = {k: v for k, v in sampling.items() if v is not None and k != "stop"}
+    try:
+        SamplingParams(**given)
+    except (ValueError, TypeError) as e:
+        text = str(e).removeprefix("SamplingParams.")
+        name = text.split(" ", 1)[0]
+        key = _BODY_NAME.get(name, name)
+        if name == "max_new_tokens" and body.get("max_completion_tokens") is not None:
+            key = "max_completion_tokens"
+        if name == "logprobs" and body.get("top_logprobs") is not None:
+            key = "top_logprobs"
+        raise _Bad(f"body.{key}{text[len(name):]}") from None
+    return sampling
 
 
 def _response_format(value: Any) -> tuple[dict[str, Any] | Off, str]:
@@ -170,7 +195,11 @@ def _request(obj: dict) -> dict[str, Any]:
         raise _Bad(f"url must be {CHAT!r} or {COMPLETIONS!r}, got {_show(url)}")
     if not isinstance(body, dict):
         raise _Bad(f"body must be an object, not {kind(body)}")
-    row = {URL_COLUMN: url, **_sampling(body, chat=url == CHAT), **_structured(body)}
+    try:
+        check_keys(body, (*BODY_KEYS, "messages" if url == CHAT else "prompt"), "body")
+    except RowError as e:
+        raise _Bad(str(e)) from None
+    row = {URL_COLUMN: url, **_checked(_sampling(body, chat=url == CHAT), body), **_structured(body)}
     if url == CHAT:
         row["messages"] = _messages(body.get("messages"))
     elif isinstance(body.get("prompt"), str):

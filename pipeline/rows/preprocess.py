@@ -29,6 +29,7 @@ from pipeline.rows.errors import ERROR, row_error
 from pipeline.rows.inputs import INPUT_ERROR, InputPlan
 from pipeline.rows.prompts import ChatTemplate, RowError
 from pipeline.rows.request import sampling_to_arrow
+from pipeline.rows.request_keys import JOB_COLUMNS, unsupported
 from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
 
 
@@ -134,12 +135,15 @@ def _samples(batch: pa.Table, rows: np.ndarray, samples: np.ndarray, ids: list[s
     columns = (*plan.inputs.override_columns, STAGED_STRUCTURED, STRUCTURED_FIELD)
     overrides = {name: values(batch, name) for name in columns}
     line_errors = values(batch, INPUT_ERROR)
+    options = {name: values(batch, name) for name in JOB_COLUMNS if name in batch.column_names}
     job = parse_constraint(plan.sampling.structured)    # validated with the config: parsed once here
     params: list[SamplingParams | None] = []
     errors: list[str | None] = []
     fields: list[str | None] = []
     for r, s in zip(rows.tolist(), samples.tolist()):
         p, where, error = None, None, (row_error(line_errors[r]) if line_errors[r] is not None else None)
+        if error is None:    # request options we do not implement: the row's error naming the column
+            error = next((f"column {k!r}: {why}" for k, v in options.items() if (why := unsupported(k, v[r]))), None)
         if error is None:
             try:
                 p, where = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling, job)

@@ -13,14 +13,21 @@ class RowError(ValueError):
 
 
 class InvalidText:
-    """Stands in for a cell whose bytes are not valid UTF-8 (Arrow does not check on read)."""
+    """Stands in for a cell whose bytes are not valid UTF-8 (Arrow does not check on read), or of a
+    column whose type Python cannot hold (``utf8=False``)."""
 
-    def __init__(self, column: str, error: str) -> None:
-        self.column, self.error = column, error
+    def __init__(self, column: str, error: str, utf8: bool = True) -> None:
+        self.column, self.error, self.utf8 = column, error, utf8
+
+    def message(self) -> str:
+        """Its row's error: invalid UTF-8 (``utf8``), or a column of a type that cannot be read."""
+        if self.utf8:
+            return f"column {self.column!r} is not valid UTF-8 ({self.error})"
+        return f"column {self.column!r} {self.error}"
 
     def raise_row_error(self) -> None:
         """Turn the bad cell into its row's error."""
-        raise RowError(f"column {self.column!r} is not valid UTF-8 ({self.error})")
+        raise RowError(self.message())
 
 
 def _check_text(text: str, what: str) -> None:

@@ -6,7 +6,8 @@ second one: before any model loads,
 
 1. :func:`input_format` settles the format (``input.format``, or by file extension for 'auto');
 2. :func:`sniff_sources` (driver) lists the files and reads only the first line of each, so a
-   Parquet file, a CSV or a gzip file given as JSONL fails at once, naming the file;
+   Parquet file, a CSV, a JSON array document or a gzip file given as JSONL fails at once, naming
+   the file (a first line that is a broken record is only that line's error row);
 3. :func:`stage` converts each source in its own task (a Ray task when Ray is running) into
    ``_staged/<source name>-<hash of its path>.parquet``, written atomically, and returns the input
    config that points the Parquet machinery at the staged files.
@@ -36,10 +37,10 @@ from pipeline.output.directory import STAGED_DIR, OutputDir
 from pipeline.rows.inputs import PARQUET_SUFFIXES, resolve_files
 from pipeline.rows.json_lines import JSON_SUFFIXES, Tally, jsonl_tables, open_stream
 from pipeline.rows.openai_batch import openai_tables
+from pipeline.rows.staged_source import STAGED_KEY
 from pipeline.storage.uris import STORE_ERRORS
 from pipeline.tasks import map_tasks
 
-STAGED_KEY = "orthrus.staged"     # footer key: the record of the source a staged file was made from
 _VERSION = 1                      # of the conversion rules; another version converts again
 _SNIFF_BLOCK, _SNIFF_LIMIT = 1 << 20, 8 << 20
 _MAGIC = {b"PAR1": "it looks like a Parquet file", b"\x1f\x8b": "it looks gzip-compressed: name it .gz",
@@ -103,26 +104,39 @@ def _first_line(path: str, fs: pafs.FileSystem | None) -> tuple[bytes, bool]:
     return buf, True
 
 
+def _not_json_lines(line: bytes, cut: bool) -> str | None:
+    """Why a file whose first line is ``line`` is clearly not JSON Lines, or None. Judged by what
+    the line is, not by whether it parses: a line starting with '{' is a JSON Lines record even if
+    it is broken (invalid UTF-8, nesting deeper than the parser allows): then it is an error row
+    naming its line and the cause, like any other line."""
+    magic = next((what for magic, what in _MAGIC.items() if line.startswith(magic)), None)
+    if magic:
+        return magic
+    if not line or line.startswith(b"{"):
+        return None
+    if line.startswith(b"["):
+        return "it looks like a JSON array document: JSON Lines holds one object per line"
+    if not cut and b"," in line and not line.lstrip().startswith((b'"', b"[")):
+        return "it looks like CSV"
+    return "its first line does not start with '{'"
+
+
 def _sniff_one(path: str, fs: pafs.FileSystem | None, fmt: str, cfg: InputConfig) -> None:
-    """Raise :class:`ConfigError` naming ``path`` unless its first line fits ``fmt``."""
+    """Raise :class:`ConfigError` naming ``path`` if it is clearly not ``fmt``."""
     try:
         line, cut = _first_line(path, fs)
     except STORE_ERRORS as e:
         raise ConfigError(f"input file {path} cannot be read: {e}") from None
     line = line.removeprefix(b"\xef\xbb\xbf")
     declared = f"(input.format: {fmt})"
-    if cut:                                       # a first line over the limit: only its start is checked
-        obj = {} if line.startswith(b"{") else None
-    else:
-        try:
-            obj = json.loads(line.decode("utf-8")) if line else {}
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            obj = None
+    why = _not_json_lines(line, cut)
+    if why:
+        raise ConfigError(f"input file {path} is not JSON Lines {declared}: {why}; it starts {line[:40]!r}")
+    try:
+        obj = json.loads(line.decode("utf-8")) if line and not cut else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        obj = None                                # broken: the line's own error row says why
     if not isinstance(obj, dict):
-        seems = next((f" ({what})" for magic, what in _MAGIC.items() if line.startswith(magic)), "")
-        raise ConfigError(f"input file {path} is not JSON Lines {declared}: its first line is not a JSON object"
-                          f"{seems}; it starts {line[:40]!r}")
-    if not line or cut:
         return
     if fmt == "openai_batch":
         for key, typ, what in (("custom_id", str, "string"), ("body", dict, "object")):
@@ -274,3 +288,4 @@ def stage(sources: JsonSources, cfg: InputConfig, out: OutputDir) -> InputConfig
     if sources.format == "openai_batch":
         update.update(id_column="id", prompt_column="prompt", messages_column="messages")
     return cfg.model_copy(update=update)
+

@@ -22,7 +22,7 @@ import functools
 import json
 from typing import Any
 
-from orthrus import Constraint, check_structured
+from orthrus import Constraint, ConstraintError, check_structured
 from orthrus.constraints import parse_constraint
 from pipeline.rows.prompts import RowError
 
@@ -153,9 +153,10 @@ def _compiles(tokenizer, c: Constraint) -> str | None:
     """Why ``c`` does not compile (``"does not compile: ..."``), or None."""
     try:
         check_structured(tokenizer, c)
+    except ConstraintError as e:     # refused: does not compile, exceeds a limit, admits no value
+        return e.reason
     except Exception as e:  # noqa: BLE001 - whatever a row's constraint makes the compiler raise is its error
-        text, prefix = str(e), f"SamplingParams.{c.field} "
-        return text[len(prefix):] if text.startswith(prefix) else f"does not compile: {text}"
+        return f"does not compile: {type(e).__name__}: {e}"
     return None
 
 

@@ -73,3 +73,15 @@ def crash_message(exc: BaseException, output) -> str:
     return (f"error: the job crashed: {name}: {first}. This is a bug or an environment "
             f"problem, not a problem of one row (those become error rows). The parts committed so far are "
             f"complete; once the cause is fixed, rerun with --resume. Full traceback: {log}")
+
+
+def refusal_message(exc: BaseException, output) -> str:
+    """The message of a refusal (a :class:`ConfigError`), wherever it was found. Raised inside a Ray
+    task it can arrive in Ray's wrapper, whose message is the remote traceback: then it is one
+    line, the task's own message, and the traceback goes to ``<output>/_logs/`` (named at the end)."""
+    if not type(exc).__module__.startswith("ray."):
+        return getattr(exc, "message", None) or str(exc)     # ours: as written (may list several fields)
+    inner = next((e for e in reversed(_chain(exc)) if not type(e).__module__.startswith("ray.")), exc)
+    text = getattr(inner, "message", None) or str(inner)
+    line = (text.strip().splitlines() or [""])[0]
+    return f"{line} (traceback: {_write_log(exc, output)})"
