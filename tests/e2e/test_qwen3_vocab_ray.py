@@ -1,5 +1,5 @@
 """Qwen3's released tokenizer and vocabulary through the job, submitted with ``ray job submit`` to a
-real local Ray head (``head`` and ``_submit`` of ``tests/test_pipeline_ray.py``).
+real local Ray head (``head`` and ``_submit`` of ``tests/e2e/test_pipeline_ray.py``).
 
 Two jobs on the Qwen3-vocabulary model (``qwen3_orthrus_dir``): one applies the chat template with
 ``prompt.enable_thinking: false``; one feeds raw prompts ending in the model's chain tokens, so that

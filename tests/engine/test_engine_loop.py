@@ -1,7 +1,7 @@
 """The actor's engine thread (pipeline/actor/engine_loop.py): several batches share one streaming engine.
 
-No Ray here (the async actor runs on a real Ray head in tests/test_pipeline_ray.py and
-tests/test_faults_ray.py); this drives the loop from asyncio the way Ray Data's async actor does.
+No Ray here (the async actor runs on a real Ray head in tests/e2e/test_pipeline_ray.py and
+tests/e2e/test_faults_ray.py); this drives the loop from asyncio the way Ray Data's async actor does.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The model (``qwen3_orthrus_dir``, built by ``jobs/make_qwen3_test_model.py``) is
 its chains: a prompt ending in a chain's first token continues with the chain and its EOS at any
 temperature, which drives EOS ids, special tokens and characters split across byte-level tokens
 deterministically through generation. The same features run through ``ray job submit`` in
-``tests/test_qwen3_vocab_ray.py``.
+``tests/e2e/test_qwen3_vocab_ray.py``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 limit, a lossless conversion, or a refusal naming the column and the file (up front with
 ``input.verify: full``, else by the file's read task).
 
-The same inputs run end to end through a real Ray head in ``tests/test_hardening_ray.py``.
+The same inputs run end to end through a real Ray head in ``tests/e2e/test_hardening_ray.py``.
 """
 from __future__ import annotations
 

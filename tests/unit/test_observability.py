@@ -2,7 +2,7 @@
 the progress display and the summary's audit and cost sections.
 
 The same features run end to end on a real Ray head (metrics read back from the Prometheus
-endpoint, the wall-time guard, ``--resume``) in ``tests/test_observability_ray.py``.
+endpoint, the wall-time guard, ``--resume``) in ``tests/e2e/test_observability_ray.py``.
 """
 from __future__ import annotations
 
