@@ -35,6 +35,7 @@ def test_bundled_checkpoint_layout_and_size():
     assert total <= 16 * 2 ** 20
 
 
+@pytest.mark.slow
 def test_bundled_greedy_speculative_equals_ar(prompts):
     model = OrthrusForCausalLM.from_pretrained(str(BUNDLED), dtype=torch.float64)   # exactness: float64
     engine = OrthrusEngine(model, max_batch_size=4)
@@ -44,6 +45,7 @@ def test_bundled_greedy_speculative_equals_ar(prompts):
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
 
 
+@pytest.mark.slow
 def test_bundled_diffusion_view_beats_an_untrained_one(prompts):
     """A floor measured in the same run: the same model with its twins reset to the AR weights
     (what the diffusion view is before training) must accept clearly fewer drafts."""

@@ -212,6 +212,7 @@ def test_still_one_host_read_per_iteration(speculative, static, logprobs):
     assert all(len(o.token_logprobs) == len(o.token_ids) for o in outs[1::2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [True, False], ids=["cycle", "ar-step"])
 def test_iteration_with_logprobs_traces_as_one_graph(model, spec):
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)

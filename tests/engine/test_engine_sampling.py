@@ -66,11 +66,13 @@ def spec_counts(model):
     return Counter(tuple(r.token_ids) for r in results)
 
 
+@pytest.mark.slow
 def test_speculative_samples_match_exact_ar_distribution(exact, spec_counts):
     assert set(spec_counts) <= set(exact), "sampled a sequence the processed AR model gives zero mass"
     assert chi2_pvalue(spec_counts, exact, N) > 1e-3
 
 
+@pytest.mark.slow
 def test_ar_mode_samples_match_exact_ar_distribution(model, exact):
     engine = OrthrusEngine(model, max_batch_size=512)
     params = [SamplingParams(seed=10**6 + s, **PARAMS) for s in range(N)]
@@ -78,6 +80,7 @@ def test_ar_mode_samples_match_exact_ar_distribution(model, exact):
     assert chi2_pvalue(counts, exact, N) > 1e-3
 
 
+@pytest.mark.slow
 def test_chi2_check_has_power(model, spec_counts):
     """The same check rejects a slightly wrong target (temperature 1.0 instead of 0.9)."""
     wrong = exact_distribution(model, 1.0)

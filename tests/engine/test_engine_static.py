@@ -91,6 +91,7 @@ def test_static_shapes_under_auto_stay_exact(model):
     assert [g[:2] for g in got] == [e[:2] for e in _run(model, GREEDY, False, static=False, flash=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_flash_kvcache_convention_matches_sdpa(model, params, static):
@@ -105,6 +106,7 @@ def test_flash_is_refused_where_it_cannot_run(model):
     assert OrthrusEngine(model).attention == "sdpa" and not OrthrusEngine(model).static_shapes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [True, False], ids=["cycle", "ar-step"])
 @pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "sampled"])
 def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):

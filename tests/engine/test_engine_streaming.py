@@ -36,6 +36,7 @@ def run_streaming(engine: OrthrusEngine, prompts, params, seed: int, start: int 
     return {int(k): v for k, v in out.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [True, False, "auto"])
 def test_mid_flight_greedy_equals_transformers(model, speculative):
     hf = hf_twin(model)
@@ -48,6 +49,7 @@ def test_mid_flight_greedy_equals_transformers(model, speculative):
         assert got[i].finish_reason in ("stop", "length") and got[i].engine_seconds >= 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_identical_alone_together_and_mid_flight(model):
     params = [SamplingParams(temperature=0.9, top_k=20 if i % 2 else 0, top_p=0.9 if i % 3 else 1.0,
                              max_new_tokens=20, seed=100 + i) for i in range(len(PROMPTS))]

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from jobs import gpu_check
 from support.paths import REPO
 
@@ -61,6 +63,7 @@ except ModuleNotFoundError:
 """
 
 
+@pytest.mark.slow
 def test_gpu_check_imports_and_runs_without_the_job_stack(tmp_path):
     out = tmp_path / "out"
     argv = ["--device", "cpu", "--out", str(out), "--model", MODEL, "--prompts", SHARDS]
@@ -99,6 +102,7 @@ def _step_names(out: Path) -> list[str]:
     return [s.name for s in gpu_check.steps(check)]
 
 
+@pytest.mark.slow
 def test_steps_are_skipped_recorded_and_interrupted_within_the_budget(tmp_path, monkeypatch):
     for name, seconds in (("ok", 0), ("saw", 0), ("fails", 0), ("big", 1000), ("slow", 0), ("after", 0)):
         monkeypatch.setitem(gpu_check.ESTIMATE_S, name, seconds)

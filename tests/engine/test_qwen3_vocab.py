@@ -32,6 +32,8 @@ from support.qwen3_chat import (ASSISTANT, END_THINK, ENDOFTEXT_PROMPT, ENDOFTEX
 from support.tiny_models import hf_greedy, hf_twin
 
 MAX_NEW = 24
+# Slow as a module: its session fixture builds a model over Qwen3's 151,936-row vocabulary.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

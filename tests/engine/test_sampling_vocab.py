@@ -106,6 +106,7 @@ def _batch(v: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, list, l
     return torch.stack(rows), temps, ks, ps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v", [QWEN3_VOCAB, 1000, 50])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_matches_full_sort_and_transformers(v, dtype):

@@ -70,6 +70,7 @@ def check_cut(tok, out, stop: str, gen: list[int], block: int) -> int:
     return end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [True, False])
 def test_stop_string_split_across_tokens(model, tok, free_run, speculative):
     ids, gen = free_run

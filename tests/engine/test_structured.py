@@ -176,17 +176,20 @@ def spec_counts(model, tok):
     return counts
 
 
+@pytest.mark.slow
 def test_speculative_constrained_samples_match_constrained_ar(exact, spec_counts):
     assert set(spec_counts) <= set(exact), "sampled a sequence constrained AR gives zero mass"
     assert chi2_pvalue(spec_counts, exact, N) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [False, "auto"])
 def test_ar_and_auto_constrained_samples_match(model, tok, exact, speculative):
     counts, _ = _sample(model, tok, speculative, 10**6)
     assert chi2_pvalue(counts, exact, N) > 1e-3
 
 
+@pytest.mark.slow
 def test_constrained_chi2_has_power(hf, lltok, spec_counts):
     wrong = exact_distribution(hf, lltok, PROMPTS[1], 1.0)
     assert chi2_pvalue(spec_counts, wrong, N) < 1e-6

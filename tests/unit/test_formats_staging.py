@@ -328,6 +328,7 @@ def test_parquet_stop_and_logprobs_override_types(tmp_path):
 
 # ---------------------------------------------------------------- object store
 
+@pytest.mark.slow
 def test_jsonl_on_an_object_store_stages_into_the_output_prefix_and_is_reused(tmp_path, monkeypatch):
     pytest.importorskip("moto")
     from jobs.local_s3 import CLIENT_ENV, moto_server, s3fs

@@ -198,6 +198,7 @@ lease.release()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start", ["empty", "stale"])
 def test_of_jobs_racing_for_a_lease_exactly_one_wins(tmp_path, start):
     import subprocess

@@ -71,6 +71,7 @@ def test_audit_statistics_and_table_line():
     assert audit_statistics(table.drop_columns(["audit_match", "audit_first_divergence"]), 0)["rows_audited"] == 0
 
 
+@pytest.mark.slow
 def test_audited_greedy_rows_equal_plain_ar_in_float32(tmp_path):
     """The bundled model, float32, speculative: every audited greedy row matches plain AR token for
     token (stop strings included); sampled rows are never audited."""
@@ -129,6 +130,7 @@ def test_per_row_times_add_up_with_one_slot(tmp_path, tiny_orthrus_dir):
     assert all(r["batch_wall_seconds"] == wall for r in rows)
 
 
+@pytest.mark.slow
 def test_row_timeout_turns_long_rows_into_error_rows_and_frees_their_slots(tmp_path, tiny_orthrus_dir):
     write_shard(tmp_path, "a.parquet", id=["long1", "long2", "short"], prompt=["def a():", "def b():", "def c():"],
            max_new_tokens=pa.array([400, 400, 2], pa.int64()))

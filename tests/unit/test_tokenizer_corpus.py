@@ -74,6 +74,7 @@ def test_chat_template(tok):
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
 
+@pytest.mark.slow
 def test_split_is_disjoint_and_deterministic():
     files = corpus.list_files()
     assert len(files) > 100
