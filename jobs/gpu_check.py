@@ -1,7 +1,7 @@
 """The one script to run when a session is lent a GPU (an H200, about 10 minutes of it):
 
     python3 -m jobs.gpu_check --out "$OUT"                   # budget 480 s (--budget-s)
-    python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/test_gpu_check.py)
+    python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/engine/test_gpu_check.py)
     python3 -m jobs.gpu_check --only fp32_graphs_vs_eager,sync_debug --out "$OUT"   # a rerun of some steps
 
 Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench`` only: nothing from ``pipeline``

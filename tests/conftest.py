@@ -1,17 +1,22 @@
 """Shared fixtures (kept small): tiny random Orthrus checkpoints with the bundled tokenizer and with
-Qwen3's released one."""
+Qwen3's released one, a model directory without weights, and Ray (in this process, or a real head).
+
+Tiers are folders: ``unit/`` (the job's host-side pieces, no Ray head), ``engine/`` (the model and
+the engine: the exactness spec), ``e2e/`` (a real Ray head, ``ray job submit``, whole jobs in a
+subprocess). Every test under ``e2e/`` is marked ``slow`` here; a unit or engine test that takes
+more than a few seconds carries its own ``slow`` mark. ``make test-fast`` runs ``-m "not slow"``
+over ``unit/`` and ``engine/``; ``make test`` (CI) runs everything."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "models" / "tiny-orthrus-py"
-QWEN3_TOKENIZER_DIR = REPO / ".cache" / "qwen3-tokenizer"   # jobs/fetch_qwen3_tokenizer.sh writes it
+from support.paths import QWEN3_TOKENIZER_DIR, TOKENIZER_DIR
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +87,31 @@ def ray_local():
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A real local Ray head for the module (``support.ray_head.start_head``): its addresses."""
+    from support.ray_head import start_head
+
+    with start_head() as addresses:
+        yield addresses
+
+
+@pytest.fixture
+def weightless_model(tmp_path) -> Path:
+    """Tokenizer + config.json but no weights: preflight must never need the weights."""
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in TOKENIZER_DIR.glob("tokenizer*"):
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    return d
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The e2e folder is the slow tier: its tests are marked ``slow`` by where they live."""
+    e2e = Path(__file__).resolve().parent / "e2e"
+    for item in items:
+        if e2e in item.path.parents:
+            item.add_marker(pytest.mark.slow)

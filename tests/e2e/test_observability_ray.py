@@ -1,0 +1,170 @@
+"""Watching and bounding a run end to end on a real local Ray head (one head for the module).
+
+- a job submitted with ``ray job submit``: the lossless audit (float32: every audited row equals
+  plain AR), per-row times, the cost section, the prefill counts (prompts shared by two rows are
+  prefix-cache hits), the progress lines, and the actors' live metrics read back from the node's
+  Prometheus endpoint;
+- ``behaviour.row_timeout_s``: rows that run too long become error rows, rows in == rows out;
+- ``behaviour.max_wall_seconds``: the job stops cleanly (exit 1, complete parts, a hint), and
+  ``--resume`` finishes it exactly once.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline.actor.audit import is_audited
+from support.job_inputs import write_parquet
+from support.paths import REPO, VENV_BIN
+from support.ray_head import base_env, part_digests, row_keys
+
+BUNDLED = REPO / "models" / "tiny-orthrus-py"
+SAMPLE = re.compile(r'^(ray_orthrus_\w+)\{(.*)\} (\S+)$')
+
+
+def _config(tmp_path: Path, model: Path, **sections) -> Path:
+    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out")},
+           "model": {"path": str(model)}, "prompt": {"chat_template": "off"}}
+    cfg.update(sections)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _metrics(url: str) -> dict[str, dict[str, float]]:
+    """``ray_orthrus_*`` samples summed over workers: name -> {label of interest: value}."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        m = SAMPLE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out[m.group(1)][labels.get("status") or labels.get("result") or ""] += float(m.group(3))
+    return out
+
+
+def _wait_for_metrics(url: str, done, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        got = _metrics(url)
+        if done(got) or time.time() > deadline:
+            return got
+        time.sleep(1)
+
+
+def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_path):
+    ids = [f"row-{i}" for i in range(24)]
+    for s in range(2):       # each shard's rows in pairs sharing a prompt: the second one's is a prefix-cache hit
+        write_parquet(tmp_path / "in" / f"s{s}.parquet", id=ids[s::2], prompt=[f"def f{s}_{k // 2}(x, y):" for k in range(12)])
+    job = _config(tmp_path, BUNDLED, sampling={"max_new_tokens": 24, "stop": ["\ndef "]},
+                  engine={"batch_size": 4, "max_batch_size": 4}, audit={"fraction": 0.5})
+    cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--working-dir", str(REPO),
+           "--runtime-env-json", json.dumps({"env_vars": {"RAY_AUTH_MODE": "disabled"}}), "--",
+           "python", "-m", "jobs.generate", "--config", str(job)]
+    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = tmp_path / "out"
+    rows = pq.read_table(out / "data").to_pylist()
+    summary = json.loads((out / "summary.json").read_text())
+    audited = [r for r in rows if is_audited(r["id"], 0.5)]
+
+    # the audit: the same rows a rerun would pick, every one equal to plain AR (float32 on CPU)
+    assert 4 <= len(audited) <= 20 and all(r["audit_match"] is True for r in audited)
+    assert all(r["audit_match"] is None for r in rows if r not in audited)
+    assert (summary["audit"]["rows_audited"], summary["audit"]["exact_matches"]) == (len(audited), len(audited))
+    assert f"audit          {len(audited)} greedy rows re-decoded with plain AR: {len(audited)} exact" in proc.stdout
+
+    # per-row times: inside the batch's wall time
+    for r in rows:
+        assert 0 < r["time_in_engine_s"] and 0 <= r["time_waiting_s"]
+        assert r["time_in_engine_s"] + r["time_waiting_s"] <= r["batch_wall_seconds"] + 1e-6
+    assert summary["row_seconds"]["time_in_engine_s"]["max"] == pytest.approx(max(r["time_in_engine_s"] for r in rows),
+                                                                             abs=1e-3)
+
+    # cost: two actors on the head's two logical GPUs, held for the run's wall time
+    cost, run = summary["run"]["cost"], summary["run"]
+    assert cost["device"] == "gpu" and cost["device_seconds_reserved"] == pytest.approx(2 * run["wall_seconds"], 0.01)
+    assert 0 < cost["device_seconds_busy"] <= cost["device_seconds_reserved"]
+    assert cost["tokens_per_device_hour"] == pytest.approx(
+        run["completion_tokens"] / cost["device_seconds_reserved"] * 3600, rel=0.01)
+
+    # prefill: each row's prompt tokens computed or copied from a slot holding them, once (no retries here)
+    prefill = summary["prefill"]
+    computed, hits = prefill["computed_tokens"], prefill["prefix_cache_hit_tokens"]
+    assert computed > 0 and hits > 0 and computed + hits == sum(r["num_prompt_tokens"] for r in rows)
+    assert prefill["prefix_cache_hit_rate"] == pytest.approx(hits / (computed + hits))
+    assert f"prefill        {computed:,} prompt tokens computed, {hits:,} copied by the prefix cache" in proc.stdout
+
+    # one progress display: our lines, no Ray Data operator bars
+    assert "[orthrus] progress 24/24 rows (100.0%)" in proc.stdout
+
+    # live metrics, read back from the node's Prometheus endpoint
+    tokens = sum(r["num_completion_tokens"] for r in rows)
+    got = _wait_for_metrics(head["metrics"], lambda m: m["ray_orthrus_rows_total"]["ok"] >= 24
+                            and m["ray_orthrus_completion_tokens_total"][""] >= tokens
+                            and m["ray_orthrus_prefill_tokens_total"][""] >= computed
+                            and m["ray_orthrus_prefix_cache_hit_tokens_total"][""] >= hits)
+    assert got["ray_orthrus_rows_total"]["ok"] == 24 and got["ray_orthrus_rows_total"].get("error", 0) == 0
+    assert got["ray_orthrus_completion_tokens_total"][""] == tokens
+    assert got["ray_orthrus_audit_rows_total"]["match"] == len(audited)
+    assert got["ray_orthrus_accepted_draft_tokens_total"][""] == summary["speculation"]["accepted_draft_tokens"]
+    assert 1.0 <= got["ray_orthrus_tokens_per_cycle"][""] / 2 <= 8.0    # two actors' gauges, summed
+    assert 0 < got["ray_orthrus_slot_occupancy"][""] <= 2.0
+    assert got["ray_orthrus_prefill_tokens_total"][""] == computed
+    assert got["ray_orthrus_prefix_cache_hit_tokens_total"][""] == hits
+    assert 0 < got["ray_orthrus_prefix_cache_hit_rate"][""] <= 2.0     # two actors' gauges, summed
+
+
+def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tmp_path):
+    keys = []
+    for s in range(2):
+        ids = [f"s{s}-{i}" for i in range(12)]
+        write_parquet(tmp_path / "in" / f"s{s}.parquet", id=ids, prompt=[f"def f{s}_{i}(a):" for i in range(12)])
+        keys += [(i, 0) for i in ids]
+    env = {**base_env(), "RAY_ADDRESS": head["gcs"]}
+    generate = [sys.executable, "-m", "jobs.generate", "--config"]
+
+    # 1. every row outlives a 1 ms row timeout: all error rows, none lost, the job still finishes
+    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 200},
+                  engine={"batch_size": 6, "max_batch_size": 4, "max_seq_len": 256},
+                  resources={"replicas": 1}, behaviour={"row_timeout_s": 0.001})
+    proc = subprocess.run([*generate, str(job)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = pq.read_table(tmp_path / "out" / "data").to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in rows) == sorted(keys)
+    assert all(r["finish_reason"] == "error" and "row timeout: aborted after" in r["error"] for r in rows)
+
+    # 2. a slow device and a wall-clock limit: a clean stop with complete parts, then --resume
+    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 8},
+                  engine={"batch_size": 2, "max_batch_size": 2, "max_concurrent_batches": 1},
+                  resources={"replicas": 1}, behaviour={"max_wall_seconds": 20})
+    t0 = time.time()
+    proc = subprocess.run([*generate, str(job), "--overwrite"], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "ORTHRUS_FAULT_INJECT": "sleep_per_batch:1.5"}, timeout=300)
+    took = time.time() - t0
+    out = tmp_path / "out"
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "behaviour.max_wall_seconds=20 reached" in proc.stdout and "rerun with --resume" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]   # a clean stop
+    assert took < 20 + 30, f"the driver took {took:.0f} s to stop"
+    summary = json.loads((out / "summary.json").read_text())
+    done = row_keys(out / "data" / name for name in part_digests(out))
+    assert summary["run"]["stopped_by"] == "max_wall_seconds" and not summary["run"]["complete"]
+    assert len(done) == len(set(done)) < len(keys) and summary["rows"]["total"] == len(done)
+    print(f"max_wall_seconds=20: the driver stopped after {took:.1f} s with {len(done)}/{len(keys)} rows committed")
+
+    proc = subprocess.run([*generate, str(job), "--resume", "--set", "behaviour.max_wall_seconds=null"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = pq.read_table(out / "data").to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in rows) == sorted(keys)
+    assert all(r["finish_reason"] != "error" for r in rows)

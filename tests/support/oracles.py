@@ -1,0 +1,71 @@
+"""What the exactness tests compare against, written out independently of the engine: FlashAttention's
+KV-cache kernel as its docstring specifies it, a chi-square test of sampled sequences against an exact
+distribution, and a proposer that replays a known continuation (every draft accepted)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from scipy.stats import chisquare
+
+
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                                      cache_batch_idx=None, softmax_scale=None, causal=False):
+    """flash-attn 2's ``flash_attn_with_kvcache`` as its docstring specifies it, row by row.
+
+    q ``[b, Tq, H, D]``; k_cache/v_cache ``[B, S, Hk, D]`` (last dim contiguous), updated in place
+    with k/v ``[b, Tq, Hk, D]`` at ``cache_seqlens [b]`` (int32) of slot ``cache_batch_idx [b]``
+    (int32, default 0 … b-1); each row attends keys ``< seqlens + Tq``; causal is bottom-right aligned.
+    """
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache must have a contiguous last dim"
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
+    assert cache_batch_idx is None or cache_batch_idx.dtype == torch.int32
+    b, tq, h, _ = q.shape
+    hk = k_cache.shape[2]
+    slots = torch.arange(b) if cache_batch_idx is None else cache_batch_idx.long()
+    out = torch.empty_like(q)
+    for r in range(b):
+        slot, n = int(slots[r]), int(cache_seqlens[r])
+        k_cache[slot, n: n + tq] = k[r]
+        v_cache[slot, n: n + tq] = v[r]
+        keys = k_cache[slot, : n + tq].transpose(0, 1).repeat_interleave(h // hk, 0)   # [H, L, D]
+        vals = v_cache[slot, : n + tq].transpose(0, 1).repeat_interleave(h // hk, 0)
+        scores = q[r].transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale           # [H, Tq, L]
+        if causal:
+            j, i = torch.arange(n + tq), torch.arange(tq)
+            scores = scores.masked_fill(j[None, :] > n + i[:, None], float("-inf"))
+        out[r] = (scores.softmax(-1) @ vals).transpose(0, 1)
+    return out
+
+
+def chi2_pvalue(counts: Counter, dist: dict[tuple[int, ...], float], n: int) -> float:
+    """χ² goodness of fit; bins with expected count < 5 are pooled into one."""
+    keys = sorted(dist, key=dist.get, reverse=True)
+    big = [k for k in keys if dist[k] * n >= 5]
+    observed = [counts[k] for k in big]
+    expected = [dist[k] * n for k in big]
+    rest = n - sum(observed)
+    if n - sum(expected) >= 5:
+        observed.append(rest)
+        expected.append(n - sum(expected))
+    else:
+        assert rest <= 5 + 5 * (n - sum(expected)), "mass where the exact distribution has ~none"
+        expected = [e * sum(observed) / sum(expected) for e in expected]
+    return float(chisquare(observed, expected).pvalue)
+
+
+class OracleProposer:
+    """Proposes the known AR continuation, so every cycle accepts all K-1 drafts (test-only)."""
+
+    def __init__(self, sequence: list[int], vocab: int) -> None:
+        self.sequence, self.vocab = sequence, vocab
+
+    def propose(self, anchor, batch, cache, rows, backend):
+        b, k = batch.positions.shape
+        logits = torch.zeros(b, k - 1, self.vocab)
+        for i in range(b):
+            n = int(batch.positions[i, 0])
+            for j in range(k - 1):
+                pos = n + 1 + j
+                logits[i, j, self.sequence[pos] if pos < len(self.sequence) else 0] = 10.0
+        return logits
