@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
-from test_structured_limits import EXPLODES
-from tests.test_pipeline_ray import REPO, _base_env
+from support.constraints import EXPLODES
+from support.paths import REPO
+from support.ray_head import base_env
 
-pytestmark = pytest.mark.slow
 
 GOOD = [
     {"id": "g0", "prompt": "def add(a, b):", "sp": {"max_tokens": 12}},
@@ -93,7 +92,7 @@ def _job(model: str, tmp_path: Path, name: str, files: dict[str, bytes]) -> tupl
            "sampling": {"max_new_tokens": 10}, "engine": {"batch_size": 8, "max_batch_size": 4, "dtype": "float32"}}
     (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / name / "job.yaml")],
-                          cwd=REPO, env=_base_env(), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=600)
     return proc, out
 
 

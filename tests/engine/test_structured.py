@@ -19,14 +19,12 @@ from transformers import AutoTokenizer
 from support.paths import TOKENIZER_DIR
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.engine.syncs import count_host_reads
+from support.constraints import PERSON, PROMPTS
 from support.oracles import chi2_pvalue
 from support.tiny_models import hf_twin, tiny_model
 
 EOS = (4095, 4093)          # the bundled tokenizer's <|im_end|>, <|endoftext|>
 VOCAB = 4097                # its 4,096 tokens + the mask token
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"], "additionalProperties": False}
 CONSTRAINTS = [{"json_schema": PERSON}, {"regex": r"[a-z]{1,5}( [a-z]{1,5}){0,2}\."},
                {"choice": ["yes", "no", "maybe"]}, {"grammar": 'root ::= "(" [0-9]+ ("," [0-9]+)* ")"'}, None]
 
@@ -84,9 +82,6 @@ def reference_greedy(hf, lltok, prompt: list[int], structured: dict | None, max_
         if t in EOS:
             break
     return out
-
-
-PROMPTS = [[10, 11, 12], [300, 7, 8, 9, 1000, 22], [5], [42, 43]]
 
 
 def _params(structured, max_new=24, **kw) -> SamplingParams:

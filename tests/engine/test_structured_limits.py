@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TOKENIZER_DIR
 from orthrus import ConstraintError, OrthrusEngine, SamplingParams
 from orthrus.engine.grammar_limits import MAX_CHOICES, MAX_OPTIONAL_PROPERTIES, admits_a_value
-from test_structured import PERSON, PROMPTS
-from tiny_models import tiny_model
-
-# Compiles, passes every check at add time, and fails inside the grammar engine a token or two in:
-# a rule with no base case grows the parser's items past llguidance's limit of 50,000.
-EXPLODES = {"grammar": 'start: /[a-z]{4}/ a\na: "x" a'}
-EXPLODES_AT_ONCE = {"grammar": 'start: a\na: "x" a'}
+from support.constraints import EXPLODES, EXPLODES_AT_ONCE, PERSON, PROMPTS
+from support.paths import TOKENIZER_DIR
+from support.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
+from pipeline.rows.inputs import inspect_inputs
+from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.rows.source import read_file
 
 MSG = '[{"role": "user", "content": "%s"}]'                                   # a messages cell, as JSON text
 MSG_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -27,7 +30,7 @@ def job_config(tmp_path: Path, model: Path, **sections):
 
 def write_shard(tmp_path: Path, name: str, **cols) -> Path:
     """``tmp_path/in/name`` as a Parquet file of ``cols`` (the input of ``job_config``)."""
-    (tmp_path / "in").mkdir(exist_ok=True)
+    (tmp_path / "in").mkdir(parents=True, exist_ok=True)
     path = tmp_path / "in" / name
     pq.write_table(pa.table(cols), path)
     return path
@@ -60,3 +63,10 @@ def mounted(target: Path, *args: str):
         yield target
     finally:
         subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def preprocess_rows(cfg) -> list[dict]:
+    """The job's CPU stage over the first input file of ``cfg``, as row dicts."""
+    inputs = inspect_inputs(cfg.input)
+    plan = PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling)
+    return preprocess_batch(read_file(inputs, 0, cfg.sampling.n), plan).to_pylist()

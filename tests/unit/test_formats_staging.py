@@ -17,6 +17,8 @@ from pipeline.rows.inputs import INPUT_ERROR, inspect_inputs, resolve_files
 from pipeline.rows.json_lines import JSON_SUFFIXES
 from pipeline.rows.openai_batch import SCHEMA as OPENAI_SCHEMA
 from pipeline.rows.staging import STAGED_KEY, input_format, sniff_sources, stage
+from support.job_inputs import job_config, preprocess_rows, write_shard
+from support.paths import TOKENIZER_DIR
 
 STORAGE = StorageConfig()
 
@@ -453,17 +455,15 @@ def test_a_duplicate_custom_id_names_custom_id_the_source_file_and_both_lines(tm
 
 
 def test_job_columns_that_ask_for_an_unsupported_option_are_their_rows_error(tmp_path):
-    from test_structured_pipeline import _job, _preprocess
-
     path = _write(tmp_path / "j" / "rows.jsonl", [{"id": "a", "prompt": "p", "presence_penalty": 0.0, "n": 3},
                                                   {"id": "b", "prompt": "p", "presence_penalty": 0.5}])
     new, _ = _stage(tmp_path, [path], "jsonl")
     errors = {r["id"]: r[INPUT_ERROR] for r in _rows(new.paths[0])}
     assert errors == {"a": None, "b": "line 2 of rows.jsonl: presence_penalty: not supported (got 0.5)"}
-    (tmp_path / "pq").mkdir()
-    cfg = _job(tmp_path / "pq", {"max_new_tokens": 4}, id=["x", "y"], prompt=["p", "q"], min_p=[0.0, 0.1],
-               n=[1, 5])                                                  # 'n' is data here: passed through
-    rows = {r["id"]: r for r in _preprocess(cfg)}
+    write_shard(tmp_path / "pq", "rows.parquet", id=["x", "y"], prompt=["p", "q"], min_p=[0.0, 0.1],
+                n=[1, 5])                                                 # 'n' is data here: passed through
+    cfg = job_config(tmp_path / "pq", TOKENIZER_DIR, sampling={"max_new_tokens": 4})
+    rows = {r["id"]: r for r in preprocess_rows(cfg)}
     assert rows["x"]["error"] is None and rows["y"]["error"] == "column 'min_p': not supported (got 0.1)"
 
 

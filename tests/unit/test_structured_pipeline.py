@@ -15,16 +15,14 @@ import pytest
 from orthrus import Constraint, SamplingParams
 from pipeline.config import ConfigError, ModelConfig, StorageConfig, load_config
 from pipeline.processor.prepare import PreparePlan, prepare_batch, sampling_params_of
-from pipeline.rows.inputs import inspect_inputs
 from pipeline.rows.json_lines import infer
 from pipeline.rows.openai_batch import request_row
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.rows.prompts import ChatTemplate, RowError
 from pipeline.rows.request import REQUEST, REQUEST_TYPE, from_arrow, to_arrow
-from pipeline.rows.source import read_file
 from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
 from pipeline.run.fingerprint import fingerprint
 from pipeline.run.job import preflight
+from support.job_inputs import preprocess_rows
 from support.paths import TOKENIZER_DIR
 
 MODEL = TOKENIZER_DIR
@@ -187,12 +185,6 @@ def test_the_request_column_round_trips_a_constraint():
 
 # ---------------------------------------------------------------- the job's rows
 
-def _preprocess(cfg) -> list[dict]:
-    inputs = inspect_inputs(cfg.input)
-    plan = PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling)
-    return preprocess_batch(read_file(inputs, 0, cfg.sampling.n), plan).to_pylist()
-
-
 def _constraint(row: dict) -> dict | None:
     request = from_arrow(pa.array([row[REQUEST]], REQUEST_TYPE))[0]
     return None if request is None or request[1].structured is None else request[1].structured.as_dict()
@@ -204,7 +196,7 @@ def test_a_rows_structured_column_overrides_the_jobs(tmp_path):
     stop = pa.array([None, None, None, None, None, ["\n"], None], pa.list_(pa.string()))
     cfg = _job(tmp_path, {"structured": {"json_schema": PERSON}, "max_new_tokens": 4}, prompt=["p"] * 7,
                structured=cells, stop=stop, id=[f"r{i}" for i in range(7)])
-    rows = {r["id"]: r for r in _preprocess(cfg)}
+    rows = {r["id"]: r for r in preprocess_rows(cfg)}
     assert _constraint(rows["r0"]) == {"json_schema": PERSON}             # the job's default
     assert _constraint(rows["r1"]) == {"regex": "[0-9]+"}                 # the row's own
     assert _constraint(rows["r2"]) is None and rows["r2"]["error"] is None  # JSON null: off for this row
@@ -218,9 +210,9 @@ def test_a_rows_structured_column_overrides_the_jobs(tmp_path):
 def test_a_struct_column_and_job_level_stops(tmp_path):
     cells = pa.array([{"regex": "[a-z]+", "choice": None}, {"regex": None, "choice": ["x", "y"]}, None],
                      pa.struct([("regex", pa.string()), ("choice", pa.list_(pa.string()))]))
-    rows = _preprocess(_job(tmp_path, {"max_new_tokens": 4}, prompt=["p"] * 3, structured=cells))
+    rows = preprocess_rows(_job(tmp_path, {"max_new_tokens": 4}, prompt=["p"] * 3, structured=cells))
     assert [_constraint(r) for r in rows] == [{"regex": "[a-z]+"}, {"choice": ["x", "y"]}, None]
-    rows = _preprocess(_job(tmp_path, {"stop_token_ids": [5]}, prompt=["p"] * 3, structured=cells))
+    rows = preprocess_rows(_job(tmp_path, {"stop_token_ids": [5]}, prompt=["p"] * 3, structured=cells))
     assert rows[0]["error"].startswith("column 'structured' cannot be combined with sampling.stop_token_ids")
     assert rows[2]["error"] is None                       # no constraint: the stops apply as before
 
@@ -237,10 +229,10 @@ def test_an_openai_row_error_names_the_body_field(tmp_path):
     table = pa.Table.from_pylist([{**r, "id": f"o{i}"} for i, r in enumerate(rows)])
     (tmp_path / "in").mkdir()
     pq.write_table(table, tmp_path / "in" / "staged.parquet")
-    out = {r["id"]: r for r in _preprocess(_job(tmp_path, {"max_new_tokens": 4, "stop": ["\n"]}))}
+    out = {r["id"]: r for r in preprocess_rows(_job(tmp_path, {"max_new_tokens": 4, "stop": ["\n"]}))}
     assert out["o0"]["error"].startswith("body.response_format.json_schema.schema cannot be combined with "
                                          "sampling.stop")
-    out = {r["id"]: r for r in _preprocess(_job(tmp_path, {"max_new_tokens": 4}))}
+    out = {r["id"]: r for r in preprocess_rows(_job(tmp_path, {"max_new_tokens": 4}))}
     assert out["o0"]["error"].startswith("body.response_format.json_schema.schema: json_schema does not compile")
     assert _constraint(out["o1"]) == {"regex": "[0-9]{2}"}
 
