@@ -110,8 +110,14 @@ def weightless_model(tmp_path) -> Path:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The e2e folder is the slow tier: its tests are marked ``slow`` by where they live."""
+    """The e2e folder is the slow tier: its tests are marked ``slow`` by where they live.
+
+    Modules that start a local Ray cluster in this process (``ray_local``) run after all others: once
+    such a cluster has been shut down, a later in-process driver of another cluster (a head fixture's)
+    sees its first actor cancelled before it runs (Ray Data keeps per-process state)."""
     e2e = Path(__file__).resolve().parent / "e2e"
     for item in items:
         if e2e in item.path.parents:
             item.add_marker(pytest.mark.slow)
+    local = {item.path for item in items if "ray_local" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path in local)      # stable: the order within each group is kept
