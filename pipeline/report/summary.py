@@ -207,9 +207,11 @@ def render_table(summary: dict, where: str) -> str:
                         f"median {where['median']})" if where else ""))
     cost = run.get("cost")
     if cost:
-        lines.append(f"  cost           {cost['device_seconds_reserved']:.0f} {cost['device'].upper()}-seconds held "
+        device = cost["device"].upper()
+        lines.append(f"  cost           {cost['device_seconds_reserved']:.0f} {device}-seconds held "
                      f"({cost['device_seconds_busy']:.0f} busy) = {_fmt(cost['tokens_per_device_hour'], ',.0f')} "
-                     f"tokens per {cost['device'].upper()}-hour")
+                     f"tokens per {device}-hour = {_fmt(cost.get('device_days_per_billion_output_tokens'), ',.1f')} "
+                     f"{device}-days per billion output tokens")
     for a in run["actors"]:
         lines.append(f"  actor          {a['actor']} gpu_ids={a['gpu_ids']}: {a['rows']} rows, "
                      f"{_fmt(a['tokens_per_second'], '.1f')} tok/s")
