@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import math
 import platform
 
 import pyarrow as pa
@@ -167,6 +168,14 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _sig3(x: float | None) -> str:
+    """Three significant digits without an exponent (76.0, 0.500, 0.0123, 1,234): the cost per
+    billion tokens spans orders of magnitude between a CPU and a GPU run."""
+    if not x:
+        return _fmt(x)
+    return format(x, f",.{max(0, 2 - math.floor(math.log10(abs(x))))}f")
+
+
 def _prefill_line(prefill: dict | None) -> list[str]:
     if not prefill or prefill["computed_tokens"] is None:
         return []
@@ -210,7 +219,7 @@ def render_table(summary: dict, where: str) -> str:
         device = cost["device"].upper()
         lines.append(f"  cost           {cost['device_seconds_reserved']:.0f} {device}-seconds held "
                      f"({cost['device_seconds_busy']:.0f} busy) = {_fmt(cost['tokens_per_device_hour'], ',.0f')} "
-                     f"tokens per {device}-hour = {_fmt(cost.get('device_days_per_billion_output_tokens'), ',.1f')} "
+                     f"tokens per {device}-hour = {_sig3(cost.get('device_days_per_billion_output_tokens'))} "
                      f"{device}-days per billion output tokens")
     for a in run["actors"]:
         lines.append(f"  actor          {a['actor']} gpu_ids={a['gpu_ids']}: {a['rows']} rows, "
