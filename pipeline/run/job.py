@@ -117,6 +117,7 @@ def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement
         "tokens_per_second": tracker.total_tokens / wall if wall else None,
         "startup_seconds": tracker.startup_seconds(start),
         "steady_tokens_per_second": tracker.steady_tokens_per_second(),
+        "steady_rows_per_second": tracker.steady_rows_per_second(),
         "slot_occupancy": occupancy["until_input_ran_out"], "slot_occupancy_whole_run": occupancy["whole_run"],
         "placement": {"replicas": placement.replicas, "gpus_per_replica": placement.gpus_per_replica,
                       "cpus_per_replica": placement.cpus_per_replica},
