@@ -219,11 +219,12 @@ def render_table(summary: dict, where: str) -> str:
         f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s = {_fmt(run.get('steady_rows_per_second'), '.1f')} "
         f"rows/s; {_slots(run, spec)}",
         _cycles_line(tpc, spec.get("rows_ended_at_prefill") or 0),
-        f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "
-        f"({_fmt(spec['draft_acceptance_rate'] and 100 * spec['draft_acceptance_rate'], '.1f')}%)",
-        "  by position    " + " ".join(f"{j}:{r:.2f}" for j, r in
-                                      enumerate(spec["acceptance_rate_by_position"], start=1)),
     ]
+    if spec["draft_tokens"]:     # none when every row ended at its prefill (or decoded in AR mode)
+        lines += [f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "
+                  f"({_fmt(spec['draft_acceptance_rate'] and 100 * spec['draft_acceptance_rate'], '.1f')}%)",
+                  "  by position    " + " ".join(f"{j}:{r:.2f}" for j, r in
+                                                enumerate(spec["acceptance_rate_by_position"], start=1))]
     audit = summary.get("audit")
     if audit and audit["rows_audited"]:
         where = audit["first_divergence"]
