@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab", "structured", "short"], default=None,
+    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab", "structured", "short"],
+                    default=None,
                     help="run one section alone: 'scale' writes bench_scale.json next to --out, "
                          "'logprobs' bench_logprobs.json (default batch sizes 1,16), "
                          "'vocab' bench_vocab.json (default batch sizes 1,8,32, one thread; its own reps "

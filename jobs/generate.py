@@ -12,13 +12,15 @@ resume); ``--verbose`` prints Ray's own notices, which otherwise go to a log fil
 (``pipeline/storage/lease.py``) from before Ray starts to the end.
 
 Exit status: 0 done (every input row x sample committed; ``<output>/_SUCCESS`` is written last);
-1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``: ``--resume`` continues); 2 refused (config, inputs, output dir, or another job holds the directory;
-before any model loads, except a duplicate id, found before the first commit, and an input file
-that turns out unreadable mid-run: its message names the file and row group, the parts committed
-are complete, and ``--resume`` continues once it is fixed); 3 writing the output failed mid-run (disk full, permissions, a lost
-lease) -- the parts already committed are complete, so fix the cause and rerun with ``--resume``;
-4 crashed (an unexpected exception): one paragraph on stderr, the traceback in
-``<output>/_logs/crash-*.log``.
+1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``: ``--resume`` continues);
+2 refused (config, inputs, output dir, or another job holds the directory; before any model loads,
+except a duplicate id, found before the first commit, and an input file that turns out unreadable
+mid-run: its message names the file and row group, the parts committed are complete, and
+``--resume`` continues once it is fixed); 3 writing the output failed mid-run (disk full,
+permissions, a lost lease) -- the parts already committed are complete, so fix the cause and rerun
+with ``--resume``; 4 crashed (an unexpected exception): one paragraph on stderr, the traceback in
+``<output>/_logs/crash-*.log``. Only a run ending with status 0 writes ``_SUCCESS``, and every run
+that starts removes it first (README, "For schedulers").
 """
 from __future__ import annotations
 
