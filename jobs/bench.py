@@ -8,6 +8,7 @@
     python -m jobs.bench --only prefix         # prefix cache and short outputs (jobs/bench_prefix.py)
     python -m jobs.bench --only ab             # the engine at HEAD vs the working tree's (jobs/bench_ab.py)
     python -m jobs.bench --only structured     # grammar constraints' cost (jobs/bench_structured.py)
+    python -m jobs.bench --only short          # 1-token rows: the job vs the bare engine (jobs/bench_short.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
@@ -65,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab", "structured"], default=None,
+    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab", "structured", "short"],
+                    default=None,
                     help="run one section alone: 'scale' writes bench_scale.json next to --out, "
                          "'logprobs' bench_logprobs.json (default batch sizes 1,16), "
                          "'vocab' bench_vocab.json (default batch sizes 1,8,32, one thread; its own reps "
@@ -73,7 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(python -m jobs.bench_prefix --help; --no-job skips its Ray job part), 'ab' "
                          "bench_ab.json (the engine at HEAD vs the working tree's: python -m jobs.bench_ab --help), "
                          "'structured' bench_structured.json (default batch sizes 1,16, one thread: "
-                         "python -m jobs.bench_structured --help)")
+                         "python -m jobs.bench_structured --help), 'short' bench_short.json (20,000 rows of "
+                         "1 new token through the job vs the bare engine: python -m jobs.bench_short --help)")
     return ap.parse_args(argv)
 
 
@@ -262,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         from jobs import bench_vocab
         vocab_args = ["--out", str(Path(args.out).with_name("bench_vocab.json")), "--threads", str(args.threads or 1)]
         bench_vocab.main(vocab_args + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []))
+        return
+    if args.only == "short":
+        from jobs import bench_short
+        bench_short.main(["--model", args.model, "--out", str(Path(args.out).with_name("bench_short.json"))])
         return
     if args.only in ("prefix", "ab"):
         only_prefix_or_ab(args)

@@ -7,17 +7,20 @@ Options: ``--set section.field=value`` (repeatable) overrides the YAML; ``--resu
 existing output dir; ``--overwrite`` replaces it; ``--dedupe`` repairs a directory that two jobs
 once wrote at the same time, ``--retry-errors`` generates the error rows again, and
 ``--allow-config-change`` accepts a resume with other model, sampling or prompt settings (all three
-resume). The job holds an exclusive lease on its output directory
+resume); ``--verbose`` prints Ray's own notices, which otherwise go to a log file named at the start
+(``pipeline/run/terminal.py``). The job holds an exclusive lease on its output directory
 (``pipeline/storage/lease.py``) from before Ray starts to the end.
 
-Exit status: 0 done; 1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``:
-``--resume`` continues); 2 refused (config, inputs, output dir, or another job holds the directory;
-before any model loads, except a duplicate id, found before the first commit, and an input file
-that turns out unreadable mid-run: its message names the file and row group, the parts committed
-are complete, and ``--resume`` continues once it is fixed); 3 writing the output failed mid-run (disk full, permissions, a lost
-lease) -- the parts already committed are complete, so fix the cause and rerun with ``--resume``;
-4 crashed (an unexpected exception): one paragraph on stderr, the traceback in
-``<output>/_logs/crash-*.log``.
+Exit status: 0 done (every input row x sample committed; ``<output>/_SUCCESS`` is written last);
+1 finished but incomplete (or stopped by ``behaviour.max_wall_seconds``: ``--resume`` continues);
+2 refused (config, inputs, output dir, or another job holds the directory; before any model loads,
+except a duplicate id, found before the first commit, and an input file that turns out unreadable
+mid-run: its message names the file and row group, the parts committed are complete, and
+``--resume`` continues once it is fixed); 3 writing the output failed mid-run (disk full,
+permissions, a lost lease) -- the parts already committed are complete, so fix the cause and rerun
+with ``--resume``; 4 crashed (an unexpected exception): one paragraph on stderr, the traceback in
+``<output>/_logs/crash-*.log``. Only a run ending with status 0 writes ``_SUCCESS``, and every run
+that starts removes it first (README, "For schedulers").
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pipeline.run.job import preflight, run, take_lease
 from pipeline.run.crash import crash_message, refusal_message
 from pipeline.output.directory import OutputWriteError
 from pipeline.run.commit import settle_ray_data_threads
+from pipeline.run.terminal import QuietTerminal, ray_log_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-config-change", action="store_true", help=(
         "resume even though the model, sampling or prompt settings differ from the recorded ones"))
     p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else embedded local Ray)")
+    p.add_argument("--verbose", action="store_true", help=(
+        "print Ray's own notices on the terminal too (by default they go to a log file, named at the start)"))
     return p.parse_args(argv)
 
 
@@ -60,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     resume = args.resume or any(repairs.values())
     flags = [f"behaviour.{k}={str(v).lower()}" for k, v in
              {"resume": resume, "overwrite": args.overwrite, **repairs}.items()] if (resume or args.overwrite) else []
-    output = None
+    output, terminal = None, None
     try:
         prepared = preflight(load_config(args.config, [*args.overrides, *flags]))
         output = prepared.out
         with take_lease(output) as lease:   # before Ray starts: one writer per directory
             prepared.out.lease = lease
-            summary = run(prepared, connect(args.address))
+            terminal = None if args.verbose else QuietTerminal(ray_log_path(output.run_id))
+            summary = run(prepared, _connect(args.address, terminal))
     except ConfigError as e:
         _shutdown_ray()
         print(f"error: {refusal_message(e, output)}", file=sys.stderr)
@@ -79,7 +86,21 @@ def main(argv: list[str] | None = None) -> int:
         _shutdown_ray()   # its shutdown noise comes before the paragraph, not after it
         print(message, file=sys.stderr)
         return 4
+    finally:
+        if terminal:
+            terminal.close()
     return 0 if summary["run"]["complete"] else 1
+
+
+def _connect(address: str | None, terminal: QuietTerminal | None) -> str:
+    """Start or join Ray (``connect``); with ``terminal``, Ray's own notices go to its log file."""
+    if terminal is None:
+        return connect(address)
+    terminal.start()
+    print(f"[orthrus] Ray's own notices: {terminal.path} (--verbose prints them here)", flush=True)
+    mode = connect(address)
+    terminal.divert_native()     # after ray.init: the processes it started keep the real stderr
+    return mode
 
 
 def _shutdown_ray() -> None:

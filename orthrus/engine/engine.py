@@ -24,6 +24,7 @@ from orthrus.engine.grammar import SlotGrammars
 from orthrus.engine.packed import Packed
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.engine.prefix_cache import PrefixIndex
+from orthrus.engine.prompt_bounds import prompt_bounds
 from orthrus.engine.proposer import Proposer
 from orthrus.engine.requests import FinishReason, Request, RequestOutput
 from orthrus.engine.runner import ModelRunner
@@ -113,11 +114,40 @@ class OrthrusEngine:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty (0 tokens)")
         ids = np.asarray(prompt_token_ids)
-        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
+        if ids.dtype.kind not in "iu":
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context limit max_seq_len={self.max_seq_len} "
+        self._check_prompt(len(ids), int(ids.min()), int(ids.max()))
+        self._check_params(params)
+
+    def check_requests(self, token_ids: np.ndarray, offsets: np.ndarray, params: Sequence[SamplingParams]
+                       ) -> list[str | None]:
+        """:meth:`check_request` for many rows at once → each row's problem (the message it would
+        raise) or None. The prompts come as one flat integer array and ``len(params) + 1`` row offsets
+        into it (Arrow's list layout), so the id checks run column-wise, not one array per row."""
+        bounds = prompt_bounds(token_ids, offsets)
+        return [self._problem(n, lo, hi, p) for n, lo, hi, p in
+                zip(bounds.lengths.tolist(), bounds.lowest.tolist(), bounds.highest.tolist(), params)]
+
+    def _problem(self, length: int, lowest: int, highest: int, params: SamplingParams) -> str | None:
+        try:
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            if length == 0:
+                raise ValueError("prompt is empty (0 tokens)")
+            self._check_prompt(length, lowest, highest)
+            self._check_params(params)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _check_prompt(self, length: int, lowest: int, highest: int) -> None:
+        if lowest < 0 or highest >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if length >= self.max_seq_len:
+            raise ValueError(f"prompt has {length} tokens; the context limit max_seq_len={self.max_seq_len} "
                              "leaves no room to generate")
+
+    def _check_params(self, params: SamplingParams) -> None:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
                              f"({self.vocab_size} tokens)")

@@ -32,7 +32,7 @@ import torch
 from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline.rows import schema as S
 from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.request import REQUEST, from_arrow
+from pipeline.rows.request import REQUEST, Requests, read_requests
 from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
 from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy, Prefill
@@ -40,6 +40,7 @@ from pipeline.actor.faults import FAULT_ENV, FaultInjector
 from pipeline.report.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
+from pipeline.actor.results import result_columns
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -143,37 +144,42 @@ class GenerationStage:
         left = await self._isolate(ids[:half], prompts[:half], params[:half])
         return left + await self._isolate(ids[half:], prompts[half:], params[half:])
 
-    def _check(self, requests: list, errors: list[str | None]) -> list[int]:
-        """Indices of rows to decode; the engine's request check turns the rest into error rows."""
+    def _check(self, requests: Requests, errors: list[str | None]) -> list[int]:
+        """Indices of rows to decode; the engine's request checks (column-wise over the batch's
+        prompts) turn the rest into error rows."""
         todo = []
-        for i, r in enumerate(requests):
-            if errors[i] is not None or r is None:
+        for i, p in enumerate(requests.params):
+            if errors[i] is not None or p is None:
                 errors[i] = errors[i] or row_error("not generated: the row has no request")
-                continue
-            try:
-                self.engine.check_request(*r)
-            except ValueError as e:
-                errors[i] = row_error("invalid request", str(e))
-                continue
-            todo.append(i)
-        return todo
+            else:
+                todo.append(i)
+        if not todo:
+            return todo
+        prompts = requests.prompt_ids.take(pa.array(todo, pa.int64()))
+        problems = self.engine.check_requests(prompts.values.to_numpy(zero_copy_only=False),
+                                              prompts.offsets.to_numpy(), [requests.params[i] for i in todo])
+        for i, problem in zip(todo, problems):
+            if problem is not None:
+                errors[i] = row_error("invalid request", problem)
+        return [i for i, problem in zip(todo, problems) if problem is None]
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         call_start, arrival, started = time.perf_counter(), self.loop.occupancy(), time.time()
         errors = batch[ERROR].to_pylist() if ERROR in batch.column_names else [None] * batch.num_rows
-        requests = from_arrow(batch[REQUEST])
+        requests = read_requests(batch[REQUEST])
         todo = self._check(requests, errors)
-        prompts = [r[0] if r else None for r in requests]
-        params = [r[1] if r else None for r in requests]
+        prompts, params = requests.prompts, requests.params
         results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
         audits: dict[int, int | None] = {}      # audited row -> its first divergence (None: equal to AR)
         if self.faults:
             await self.faults.slow_down()
         if todo:
-            ids = _row_keys(batch, requests)
-            audited = [i for i in todo if params[i].temperature == 0 and is_audited(ids[i], self.plan.audit.fraction)]
+            fraction = self.plan.audit.fraction
+            ids = _row_keys(batch, requests) if self.faults or fraction > 0 else []   # read only there
+            audited = [i for i in todo if params[i].greedy and is_audited(ids[i], fraction)] if fraction > 0 else []
             out, ar = await asyncio.gather(
-                self._generate([ids[i] for i in todo], [prompts[i] for i in todo], [params[i] for i in todo]),
+                self._generate([ids[i] for i in todo] if ids else [], [prompts[i] for i in todo],
+                               [params[i] for i in todo]),
                 self._audit([prompts[i] for i in audited], [params[i] for i in audited]))
             for i, r in zip(todo, out):
                 results[i] = self._finished(r, i, errors)
@@ -222,13 +228,6 @@ class GenerationStage:
                   "columns stay null", flush=True)
             return [None] * len(prompts)
 
-    def _text_ids(self, r: RequestOutput, p: SamplingParams) -> list[int]:
-        """Generated ids minus the stop token that ended the row (it is not part of the text)."""
-        ids = list(r.token_ids)
-        if r.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in p.stop_token_ids):
-            ids.pop()
-        return ids
-
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], params: list,
                   audits: dict[int, int | None], call_time: tuple[float, float],
                   occupancy: tuple[Occupancy, Occupancy], prefill: Prefill) -> pa.Table:
@@ -236,17 +235,15 @@ class GenerationStage:
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
         n = batch.num_rows
-        cols = {**_result_columns(ok, errors),
-                "batch_wall_seconds": [call_seconds] * n,
-                "audit_match": [audits[i] is None if i in audits else None for i in range(n)],
-                "audit_first_divergence": [audits.get(i) for i in range(n)],
-                "model": [self.plan.model.path] * n,
-                S.TEXT_IDS: [self._text_ids(r, p) if r else None for r, p in zip(ok, params)],
-                S.STOP_TEXT: [r.text if r else None for r in ok]}
-        table = batch.drop_columns([c for c in (REQUEST, ERROR) if c in batch.column_names])
-        for name, values in cols.items():
-            typ = S.GENERATED_TYPES[name]
-            table = table.append_column(pa.field(name, typ), pa.array(values, typ))
+        cols = {name: pa.array(values, S.GENERATED_TYPES[name])
+                for name, values in result_columns(ok, errors, params, self.eos_ids).items()}
+        cols["batch_wall_seconds"] = pa.repeat(pa.scalar(call_seconds, pa.float64()), n)
+        cols["model"] = pa.repeat(pa.scalar(self.plan.model.path, pa.string()), n)
+        for name, values in (("audit_match", [audits[i] is None if i in audits else None for i in range(n)]),
+                             ("audit_first_divergence", [audits.get(i) for i in range(n)])):
+            cols[name] = pa.array(values, S.GENERATED_TYPES[name]) if audits else pa.nulls(n, S.GENERATED_TYPES[name])
+        table = _with_columns(batch.drop_columns([c for c in (REQUEST, ERROR) if c in batch.column_names]),
+                              {name: cols[name] for name in _ASSEMBLED})
         if not self.plan.batch_records:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
@@ -265,39 +262,29 @@ class GenerationStage:
               f"{self.total_tokens / max(engine_seconds, 1e-9):.1f} tok/s of engine time)", flush=True)
 
 
-def _row_keys(batch: pa.Table, requests: list) -> list[str]:
+# The generation columns in the order the actor appends them (the processor's output order).
+_ASSEMBLED = ("generated_tokens", "num_generated_tokens", "finish_reason", ERROR, "num_cycles", "num_forward_passes",
+              "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
+              "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
+              "time_in_engine_s", "batch_wall_seconds", "audit_match", "audit_first_divergence", "model",
+              S.TEXT_IDS, S.STOP_TEXT)
+
+
+def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
+    """``table`` plus ``columns``, built once (one ``append_column`` each would copy the table's
+    column list and schema every time)."""
+    schema = pa.schema([*table.schema, *(pa.field(name, a.type) for name, a in columns.items())],
+                       metadata=table.schema.metadata)
+    return pa.Table.from_arrays([*table.columns, *columns.values()], schema=schema)
+
+
+def _row_keys(batch: pa.Table, requests: Requests) -> list[str]:
     """A stable key per row (audit selection, fault tests): its ``id``, or without one (a user's
     dataset) a digest of its request, so a rerun audits the same rows."""
     if "id" in batch.column_names:
         return [str(i) for i in batch["id"].to_pylist()]
-    return [hashlib.blake2b(repr(r).encode(), digest_size=8).hexdigest() for r in requests]
-
-
-def _top(r: RequestOutput) -> list | None:
-    if r.top_logprobs is None:
-        return None
-    return [[{"id": i, "logprob": v} for i, v in position] for position in r.top_logprobs]
-
-
-def _result_columns(ok: list[RequestOutput | None], errors: list[str | None]) -> dict[str, list]:
-    """Per-row values of what the engine returned (None on error rows)."""
-    stat = lambda name: [getattr(r.stats, name) if r else None for r in ok]  # noqa: E731
-    return {
-        "generated_tokens": [list(r.token_ids) if r else None for r in ok],
-        "num_generated_tokens": [len(r.token_ids) if r else None for r in ok],
-        "finish_reason": [r.finish_reason if r else "error" for r in ok],
-        ERROR: [None if r else (e or row_error("not decoded")) for r, e in zip(ok, errors)],
-        "num_cycles": stat("num_cycles"), "num_forward_passes": stat("num_forward_passes"),
-        "num_draft_tokens": stat("num_draft_tokens"), "num_accepted_draft_tokens": stat("num_accepted_draft_tokens"),
-        "tokens_per_cycle": [float(r.stats.tokens_per_cycle) if r else None for r in ok],
-        "accept_length_histogram": [list(r.stats.accept_length_histogram) if r else None for r in ok],
-        "num_tokens_after_stop": stat("num_tokens_after_stop"),
-        "token_logprobs": [r.token_logprobs if r else None for r in ok],
-        "top_logprobs": [_top(r) if r else None for r in ok],
-        "cumulative_logprob": [r.cumulative_logprob if r else None for r in ok],
-        "time_waiting_s": [r.queue_seconds if r else None for r in ok],
-        "time_in_engine_s": [r.engine_seconds if r else None for r in ok],
-    }
+    return [hashlib.blake2b(repr(None if p is None else (ids, p)).encode(), digest_size=8).hexdigest()
+            for ids, p in zip(requests.prompts, requests.params)]
 
 
 def _actor_metrics(actor: str) -> ActorMetrics | None:

@@ -10,6 +10,8 @@ Layout::
     <output>/retried/                       error rows that --retry-errors took out of data/ (``repair.py``)
     <output>/_staged/                       JSONL inputs converted to Parquet (``rows/staging.py``)
     <output>/summary.json, summary.png
+    <output>/_SUCCESS                       completion marker: written last, only by a run that left every
+                                            row x sample committed (``success.py``); removed at each start
 
 Exactly once: the driver is the only writer, and a part appears whole or not at all (``store.py``:
 a rename locally, one PUT on an object store). Each part's footer says which input rows it holds
@@ -45,10 +47,11 @@ from pipeline.storage.uris import STORE_ERRORS, is_remote, local_path, locate
 
 DATA_DIR, TMP_DIR, MARKER, LOGS_DIR, RETRIED_DIR = "data", "_tmp", "_job.json", "_logs", "retried"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
+SUCCESS = "_SUCCESS"                                           # completion marker (success.py)
 STAGED_DIR = "_staged"                                         # JSONL inputs as Parquet (rows/staging.py)
 RESULTS_JSONL, ERRORS_JSONL = "results.jsonl", "errors.jsonl"   # output.format renderings (export.py)
 _OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR, RETRIED_DIR,
-         RESULTS_JSONL, ERRORS_JSONL, STAGED_DIR}   # replaced by --overwrite
+         RESULTS_JSONL, ERRORS_JSONL, STAGED_DIR, SUCCESS}   # replaced by --overwrite
 
 
 class OutputWriteError(RuntimeError):
@@ -165,8 +168,13 @@ class OutputDir:
     # -- top-level files ---------------------------------------------------------------------------
 
     def prepare(self, behaviour: BehaviourConfig, meta: dict) -> None:
-        """Create (or clear, with overwrite) the directory, wipe stale temp files, write the marker."""
+        """Create (or clear, with overwrite) the directory, wipe stale temp files, write the marker.
+
+        The completion marker goes first, before anything else changes: from this moment until this
+        run completes, a sensor waiting for ``_SUCCESS`` must not take the directory as finished (a
+        resume adds rows, a repair rewrites parts, an overwrite deletes them)."""
         try:
+            self.clear_success()
             if behaviour.overwrite:
                 for name in self.store.top():
                     if name in _OURS:
@@ -175,6 +183,16 @@ class OutputDir:
         except STORE_ERRORS as e:
             raise self.failed("its directories", e) from e
         self.write_atomic(MARKER, json.dumps({"run_id": self.run_id, **meta}, indent=2).encode())
+
+    def clear_success(self) -> None:
+        """Remove ``_SUCCESS`` if a completed run left one (a no-op otherwise)."""
+        path = self.store.path(SUCCESS)
+        if self.store.is_file(path):
+            self.store.delete(path)
+
+    @property
+    def success_exists(self) -> bool:
+        return self.store.is_file(self.store.path(SUCCESS))
 
     @property
     def marker_exists(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import math
 import platform
 
 import pyarrow as pa
@@ -73,6 +74,8 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
         # prefix cache), summed over the batches committed in data/ (engine work: retries included)
         "prefill": _prefill(total.get("prefill")),
         "speculation": {
+            # rows whose only token came from their prefill (max_new_tokens 1, or EOS at once): no cycle
+            "rows_ended_at_prefill": ok - spec["spec_rows"],
             "cycles": sums["num_cycles"], "forward_passes": sums["num_forward_passes"],
             "draft_tokens": drafts, "accepted_draft_tokens": accepted,
             "draft_acceptance_rate": accepted / drafts if drafts else None,
@@ -167,12 +170,36 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _sig3(x: float | None) -> str:
+    """Three significant digits without an exponent (76.0, 0.500, 0.0123, 1,234): the cost per
+    billion tokens spans orders of magnitude between a CPU and a GPU run."""
+    if not x:
+        return _fmt(x)
+    return format(x, f",.{max(0, 2 - math.floor(math.log10(abs(x))))}f")
+
+
 def _prefill_line(prefill: dict | None) -> list[str]:
     if not prefill or prefill["computed_tokens"] is None:
         return []
     return [f"  prefill        {prefill['computed_tokens']:,} prompt tokens computed, "
             f"{prefill['prefix_cache_hit_tokens']:,} copied by the prefix cache "
             f"({_fmt(prefill['prefix_cache_hit_rate'] and 100 * prefill['prefix_cache_hit_rate'], '.0f')}% hits)"]
+
+
+def _slots(run: dict, spec: dict) -> str:
+    """Slot occupancy, or why there is none: rows that end at their prefill never decode, so no
+    decode iteration counts slots (a labelling job at max_new_tokens 1)."""
+    if run.get("slot_occupancy") is None and spec.get("rows_ended_at_prefill") and not spec.get("cycles"):
+        return "no decode iterations (every row ended at its prefill)"
+    return f"slots busy {_fmt(run.get('slot_occupancy') and 100 * run['slot_occupancy'], '.0f')}% while input lasted"
+
+
+def _cycles_line(tpc: dict, at_prefill: int) -> str:
+    if tpc["pooled"] is None and at_prefill:
+        return f"  tokens/cycle   none: all {at_prefill:,} rows ended at their prefill, before any cycle"
+    return (f"  tokens/cycle   mean per row {_fmt(tpc['mean_per_row'])} | token-weighted "
+            f"{_fmt(tpc['token_weighted'])} | pooled {_fmt(tpc['pooled'])} (TPF {_fmt(tpc['tpf_pooled'])})"
+            + (f"; {at_prefill:,} rows ended at their prefill" if at_prefill else ""))
 
 
 def render_table(summary: dict, where: str) -> str:
@@ -189,15 +216,15 @@ def render_table(summary: dict, where: str) -> str:
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",
         f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s until the first batch reached an actor, then "
-        f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s; slots busy "
-        f"{_fmt(run.get('slot_occupancy') and 100 * run['slot_occupancy'], '.0f')}% while input lasted",
-        f"  tokens/cycle   mean per row {_fmt(tpc['mean_per_row'])} | token-weighted "
-        f"{_fmt(tpc['token_weighted'])} | pooled {_fmt(tpc['pooled'])} (TPF {_fmt(tpc['tpf_pooled'])})",
-        f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "
-        f"({_fmt(spec['draft_acceptance_rate'] and 100 * spec['draft_acceptance_rate'], '.1f')}%)",
-        "  by position    " + " ".join(f"{j}:{r:.2f}" for j, r in
-                                      enumerate(spec["acceptance_rate_by_position"], start=1)),
+        f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s = {_fmt(run.get('steady_rows_per_second'), '.1f')} "
+        f"rows/s; {_slots(run, spec)}",
+        _cycles_line(tpc, spec.get("rows_ended_at_prefill") or 0),
     ]
+    if spec["draft_tokens"]:     # none when every row ended at its prefill (or decoded in AR mode)
+        lines += [f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "
+                  f"({_fmt(spec['draft_acceptance_rate'] and 100 * spec['draft_acceptance_rate'], '.1f')}%)",
+                  "  by position    " + " ".join(f"{j}:{r:.2f}" for j, r in
+                                                enumerate(spec["acceptance_rate_by_position"], start=1))]
     audit = summary.get("audit")
     if audit and audit["rows_audited"]:
         where = audit["first_divergence"]
@@ -207,9 +234,11 @@ def render_table(summary: dict, where: str) -> str:
                         f"median {where['median']})" if where else ""))
     cost = run.get("cost")
     if cost:
-        lines.append(f"  cost           {cost['device_seconds_reserved']:.0f} {cost['device'].upper()}-seconds held "
+        device = cost["device"].upper()
+        lines.append(f"  cost           {cost['device_seconds_reserved']:.0f} {device}-seconds held "
                      f"({cost['device_seconds_busy']:.0f} busy) = {_fmt(cost['tokens_per_device_hour'], ',.0f')} "
-                     f"tokens per {cost['device'].upper()}-hour")
+                     f"tokens per {device}-hour = {_sig3(cost.get('device_days_per_billion_output_tokens'))} "
+                     f"{device}-days per billion output tokens")
     for a in run["actors"]:
         lines.append(f"  actor          {a['actor']} gpu_ids={a['gpu_ids']}: {a['rows']} rows, "
                      f"{_fmt(a['tokens_per_second'], '.1f')} tok/s")

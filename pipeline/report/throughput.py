@@ -23,7 +23,7 @@ class ThroughputTracker:
         self.tokens: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.gpu_ids: dict[str, str] = {}
-        self._first: tuple[float, int] | None = None     # (time, total tokens) at the first block
+        self._first: tuple[float, int, int] | None = None     # (time, total tokens, total rows) at the first block
         self._last = 0.0
         self._first_call: float | None = None            # wall clock at which an actor first got a batch
         # per actor, the calls' occupancy records (schema.OCCUPANCY) that bound its windows (first
@@ -51,7 +51,7 @@ class ThroughputTracker:
                 self._first_call = r["started"] if self._first_call is None else min(self._first_call, r["started"])
         self._last = time.time()
         if self._first is None:
-            self._first = (self._last, self.total_tokens)
+            self._first = (self._last, self.total_tokens, self.total_rows)
 
     def _keep(self, actor: str, c: dict | None) -> None:
         """Keep a call's occupancy record (``schema.OCCUPANCY``) if it bounds one of the actor's windows."""
@@ -80,11 +80,19 @@ class ThroughputTracker:
         """Tokens/s from the moment an actor got its first batch to the last block: the rate a long
         job runs at, start-up excluded. (From the first *block* instead when that moment is unknown;
         with several batches in flight per actor, blocks come in bursts, so that is only a fallback.)"""
+        return self._steady(self.total_tokens, self._first and self._first[1])
+
+    def steady_rows_per_second(self) -> float | None:
+        """Rows/s over the same window as :meth:`steady_tokens_per_second`: the figure to read when
+        outputs are a token or a few (labelling, scoring), where tokens/s says little."""
+        return self._steady(self.total_rows, self._first and self._first[2])
+
+    def _steady(self, total: int, at_first_block: int | None) -> float | None:
         if self._first_call is not None and self._last > self._first_call:
-            return self.total_tokens / (self._last - self._first_call)
+            return total / (self._last - self._first_call)
         if self._first is None or self._last <= self._first[0]:
             return None
-        return (self.total_tokens - self._first[1]) / (self._last - self._first[0])
+        return (total - at_first_block) / (self._last - self._first[0])
 
     def slot_occupancy(self) -> dict[str, float | None]:
         """Mean fraction of engine slots busy per decode iteration, pooled over actors.

@@ -1,16 +1,17 @@
 """The request column: a row's prompt token ids and sampling settings as one Arrow struct.
 
 The prepare stage (``pipeline/processor/prepare.py``) builds it and the generation actor reads it
-back, each with one call (:func:`to_arrow`, :func:`from_arrow`), so a new sampling field is one
+back, each with one call (:func:`to_arrow`, :func:`read_requests`), so a new sampling field is one
 edit here. A null request is a row that will not be generated (its ``error`` is set).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pyarrow as pa
 
-from orthrus import Constraint, SamplingParams
+from orthrus import SamplingParams
 from orthrus.constraints import parse_constraint
 from pipeline.rows.structured import constraint_json
 
@@ -53,19 +54,57 @@ def to_arrow(requests: list[tuple[list[int], SamplingParams] | None]) -> pa.Stru
     return pa.array([None if r is None else _row(*r) for r in requests], REQUEST_TYPE)
 
 
+@dataclass(frozen=True)
+class Requests:
+    """A batch's request column read back column-wise: per row its prompt ids and SamplingParams
+    (None for a null struct: a row that will not be generated), and the prompts as Arrow's list
+    array, for checks that run column-wise (``OrthrusEngine.check_requests``)."""
+
+    prompts: list[list[int] | None]
+    params: list[SamplingParams | None]
+    prompt_ids: pa.ListArray
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+_SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "logprobs", "structured")
+
+
+def read_requests(column: pa.Array | pa.ChunkedArray) -> Requests:
+    """The request column → :class:`Requests`, one Arrow-to-Python conversion per field, not per row.
+
+    Rows of a job share their settings except the seed, so each distinct setting builds (and
+    validates) one SamplingParams, and each row takes it with its own seed (``with_seed``).
+    """
+    col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(col, pa.ChunkedArray):          # no chunks at all: an empty batch
+        col = pa.array([], REQUEST_TYPE)
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    fields = {name: col.field(name).to_pylist() for name in (*_SETTINGS, "seed")}
+    ids = col.field("prompt_token_ids")
+    prompts = ids.to_pylist()
+    params: list[SamplingParams | None] = []
+    shared: dict[tuple, SamplingParams] = {}
+    for i, (ok, seed) in enumerate(zip(valid.tolist(), fields["seed"])):
+        if not ok:
+            prompts[i] = None
+            params.append(None)
+            continue
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in (fields[name][i] for name in _SETTINGS))
+        if key not in shared:
+            shared[key] = _params(*key)
+        params.append(shared[key].with_seed(seed))
+    return Requests(prompts, params, ids)
+
+
+def _params(temperature, top_p, top_k, max_tokens, stop, stop_token_ids, logprobs, structured) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
+                          stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                          structured=None if structured is None else parse_constraint(json.loads(structured)))
+
+
 def from_arrow(column: pa.Array | pa.ChunkedArray) -> list[tuple[list[int], SamplingParams] | None]:
     """Back to (prompt ids, SamplingParams) per row, None for null structs."""
-    out: list[tuple[list[int], SamplingParams] | None] = []
-    constraints: dict[str, Constraint] = {}   # rows of a batch often share one: parse its text once
-    for r in column.to_pylist():
-        if r is None:
-            out.append(None)
-            continue
-        text = r["structured"]
-        if text is not None and text not in constraints:
-            constraints[text] = parse_constraint(json.loads(text))
-        out.append((r["prompt_token_ids"], SamplingParams(
-            temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"], max_new_tokens=r["max_tokens"],
-            seed=r["seed"], stop=tuple(r["stop"]), stop_token_ids=tuple(r["stop_token_ids"]),
-            logprobs=r["logprobs"], structured=None if text is None else constraints[text])))
-    return out
+    r = read_requests(column)
+    return [None if p is None else (ids, p) for ids, p in zip(r.prompts, r.params)]

@@ -25,7 +25,8 @@ from pipeline.rows.checks import check_ids, verify_inputs
 from pipeline.rows.source import row_group_tasks
 from pipeline.report.progress import Progress
 from pipeline.rows.prompts import ChatTemplate, uses_chat_template
-from pipeline.output.directory import RETRIED_DIR, SUMMARY_JSON
+from pipeline.output.directory import RETRIED_DIR, SUCCESS, SUMMARY_JSON
+from pipeline.output.success import mark_complete
 from pipeline.run.resources import check_engine_placement, resolve_placement
 from pipeline.rows.schema import output_schema
 from pipeline.storage.uris import is_remote, local_path, locate
@@ -116,6 +117,7 @@ def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement
         "tokens_per_second": tracker.total_tokens / wall if wall else None,
         "startup_seconds": tracker.startup_seconds(start),
         "steady_tokens_per_second": tracker.steady_tokens_per_second(),
+        "steady_rows_per_second": tracker.steady_rows_per_second(),
         "slot_occupancy": occupancy["until_input_ran_out"], "slot_occupancy_whole_run": occupancy["whole_run"],
         "placement": {"replicas": placement.replicas, "gpus_per_replica": placement.gpus_per_replica,
                       "cpus_per_replica": placement.cpus_per_replica},
@@ -125,13 +127,18 @@ def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement
 
 
 def _cost(placement, wall: float, tracker: ThroughputTracker) -> dict:
-    """Device-seconds this run held (replicas x devices each x wall time) and kept busy (engine time)."""
+    """Device-seconds this run held (replicas x devices each x wall time) and kept busy (engine time),
+    and what they cost per unit of work. A device is a GPU on GPU replicas, a CPU core on CPU ones."""
     device = "gpu" if placement.use_gpu else "cpu"
     per_replica = placement.gpus_per_replica if placement.use_gpu else placement.cpus_per_replica
     reserved = wall * placement.replicas * per_replica
     busy = sum(a["busy_seconds"] for a in tracker.report()) * per_replica
+    tokens = tracker.total_tokens
     return {"device": device, "device_seconds_reserved": round(reserved, 3), "device_seconds_busy": round(busy, 3),
-            "tokens_per_device_hour": round(tracker.total_tokens / reserved * 3600, 1) if reserved else None}
+            "tokens_per_device_hour": round(tokens / reserved * 3600, 1) if reserved else None,
+            # the budget unit of generation plans (datatrove's gpu_days_to_process_1b_tokens): held
+            # device time, not busy time, since a held device is paid for either way
+            "device_days_per_billion_output_tokens": reserved / 86400 / (tokens / 1e9) if tokens else None}
 
 
 def _repairs(config: JobConfig, out: OutputDir, echo: Callable[[str], None]) -> None:
@@ -241,7 +248,8 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
         echo(f"[orthrus] behaviour.max_wall_seconds={limit:g} reached: stopped after {wall:.0f} s with "
              f"{finished + tracker.total_rows}/{expected} rows committed. The committed parts are complete; "
              "rerun with --resume to continue")
-    run_info = {"run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "rows_expected": expected,
+    run_info = {"run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "input_rows": inputs.num_rows,
+                "samples_per_row": config.sampling.n, "rows_expected": expected,
                 "stopped_by": "max_wall_seconds" if stopped else None, "rows_skipped_as_finished": finished,
                 "parts_committed": out.committed, **_throughput(tracker, start, wall, placement)}
     summary = summarize(out, run_info, config.model_dump(mode="json"))
@@ -250,4 +258,6 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     if summary["rows"]["duplicate_keys"]:  # impossible with the lease; loud if it was bypassed
         raise OutputWriteError(f"{out.root}: {summary['rows']['duplicate_keys']} duplicate (id, sample_index) rows; "
                                "was another job writing to the same output dir? Repair with --dedupe")
+    if mark_complete(out, summary):      # the last write of the run: a sensor may read the output now
+        echo(f"[orthrus] complete: {out.root}/{SUCCESS} written")
     return summary

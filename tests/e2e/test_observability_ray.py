@@ -6,7 +6,9 @@
   Prometheus endpoint;
 - ``behaviour.row_timeout_s``: rows that run too long become error rows, rows in == rows out;
 - ``behaviour.max_wall_seconds``: the job stops cleanly (exit 1, complete parts, a hint), and
-  ``--resume`` finishes it exactly once.
+  ``--resume`` finishes it exactly once;
+- the completion marker ``_SUCCESS`` through a stop, a resume and a repair, and a terminal free of
+  Ray's notices.
 """
 from __future__ import annotations
 
@@ -168,3 +170,42 @@ def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tm
     rows = pq.read_table(out / "data").to_pylist()
     assert sorted((r["id"], r["sample_index"]) for r in rows) == sorted(keys)
     assert all(r["finish_reason"] != "error" for r in rows)
+
+
+def test_success_marker_through_a_stop_a_resume_and_a_repair(head, tiny_orthrus_dir, tmp_path):
+    """``_SUCCESS`` after a complete run; removed at the start of ``--retry-errors`` and of ``--resume``
+    (each stopped by ``max_wall_seconds`` here, so only the removal can explain its absence); written
+    again by the run that completes. The driver's terminal carries none of Ray's notices."""
+    _shard(tmp_path / "in" / "s0.parquet", id=[f"s0-{i}" for i in range(6)], prompt=[f"def f{i}(a):" for i in range(6)])
+    env = {**_base_env(), "RAY_ADDRESS": head["gcs"]}
+    slow = {**env, "ORTHRUS_FAULT_INJECT": "sleep_per_batch:1.5"}
+    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 4},
+                  engine={"batch_size": 3, "max_batch_size": 2}, resources={"replicas": 1})
+    out, marker = tmp_path / "out", tmp_path / "out" / "_SUCCESS"
+
+    def generate(*args: str, environ: dict = env, status: int = 0) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(job), *args], cwd=REPO,
+                              env=environ, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == status, proc.stdout[-4000:] + proc.stderr[-4000:]
+        for notice in ("core_worker.cc", "Progress bars disabled", "Starting execution of Dataset"):
+            assert notice not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+        return json.loads((out / "summary.json").read_text())["run"]
+
+    # 1. every row outlives a 1 ms row timeout: six error rows, committed, so the output is complete
+    run = generate("--set", "behaviour.row_timeout_s=0.001")
+    record = json.loads(marker.read_text())
+    assert run["complete"] and record["run_id"] == run["run_id"]
+    assert (record["rows"]["expected"], record["rows"]["in_output"], record["rows"]["error"]) == (6, 6, 6)
+
+    # 2. --retry-errors takes the six out of data/, then stops before committing any: no marker
+    run = generate("--retry-errors", "--set", "behaviour.max_wall_seconds=2", environ=slow, status=1)
+    assert run["stopped_by"] == "max_wall_seconds" and not marker.exists()
+
+    # 3. --resume generates them: complete again, the resume's marker
+    run = generate("--resume")
+    assert run["complete"] and json.loads(marker.read_text())["run_id"] == run["run_id"]
+
+    # 4. a new input file, --resume stopped before it finishes: the old marker is gone
+    _shard(tmp_path / "in" / "s1.parquet", id=[f"s1-{i}" for i in range(6)], prompt=[f"def g{i}(a):" for i in range(6)])
+    run = generate("--resume", "--set", "behaviour.max_wall_seconds=2", environ=slow, status=1)
+    assert run["stopped_by"] == "max_wall_seconds" and not run["complete"] and not marker.exists()

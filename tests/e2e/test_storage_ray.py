@@ -1,7 +1,8 @@
 """Inputs, model and output on an S3 endpoint, end to end through a real local Ray head and
 ``ray job submit`` (moto's server on loopback; the job uses only pyarrow's S3 client):
 
-- the same greedy job on local disk and on S3 gives identical rows and completions (derived ids too);
+- the same greedy job on local disk and on S3 gives identical rows and completions (derived ids too),
+  and both end with the completion marker ``_SUCCESS``;
 - an actor SIGKILLed, then the driver, then ``--resume``: every row exactly once, parts untouched;
 - ``--retry-errors`` and the config-change refusal on an S3 output.
 """
@@ -91,7 +92,12 @@ def test_same_greedy_job_on_local_disk_and_on_s3_gives_identical_rows(head, s3, 
     assert len(on_disk) == 24 and on_s3 == on_disk
     assert {r["id"] for r in on_s3} == {f"s{s}.parquet:{i}" for s in range(2) for i in range(12)}
     with s3["fs"].open_input_stream("bkt/same/out/summary.json") as f:
-        assert json.loads(f.read())["run"]["complete"]
+        summary = json.loads(f.read())
+    assert summary["run"]["complete"]
+    with s3["fs"].open_input_stream("bkt/same/out/_SUCCESS") as f:     # the completion marker, on S3 too
+        assert json.loads(f.read())["run_id"] == summary["run"]["run_id"]
+    local_run = json.loads((tmp_path / "out" / "summary.json").read_text())["run"]
+    assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["rows"]["in_output"] == local_run["rows_expected"]
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").glob("tiny-*/model.safetensors"))
 
 

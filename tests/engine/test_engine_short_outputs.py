@@ -76,3 +76,39 @@ def test_sampled_rows_keep_full_blocks_so_a_seeded_row_ignores_its_batch(model):
     alone = OrthrusEngine(model, max_batch_size=1).generate([PROMPTS[0]], target)[0]
     mixed = OrthrusEngine(model, max_batch_size=2).generate([PROMPTS[0], PROMPTS[1]], [target, others])[0]
     assert mixed.token_ids == alone.token_ids
+
+
+def test_check_requests_column_wise_says_what_check_request_raises(model):
+    """The batch form of the request check (flat ids + offsets, as Arrow holds them) names each row's
+    problem exactly as the per-row check would, and passes the rest."""
+    import numpy as np
+
+    engine = OrthrusEngine(model, max_batch_size=2, max_seq_len=8)
+    vocab = model.config.vocab_size
+    rows = [([3, 1, 4], SamplingParams()), ([], SamplingParams()), ([2, vocab], SamplingParams()),
+            ([5] * 8, SamplingParams()), ([-1, 2], SamplingParams()), ([7], SamplingParams(stop=("x",))),
+            ([6, 5], SamplingParams(logprobs=2)), ([9], "not params")]
+    offsets = np.cumsum([0] + [len(p) for p, _ in rows])
+    flat = np.array([t for p, _ in rows for t in p], np.int32)
+    got = engine.check_requests(flat, offsets, [p for _, p in rows])
+    for (prompt, params), problem in zip(rows, got):
+        try:
+            engine.check_request(prompt, params)
+            expected = None
+        except ValueError as e:
+            expected = str(e)
+        assert problem == expected, (prompt, params)
+    assert got[0] is None and got[6] is None and all(p is not None for p in got[1:6] + got[7:])
+    padded = np.concatenate([[99, 99], flat, [99]])        # a slice of a larger buffer: offsets are absolute
+    assert engine.check_requests(padded, offsets + 2, [p for _, p in rows]) == got
+
+
+def test_with_seed_keeps_every_setting_and_checks_the_seed():
+    base = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=3, stop=("\n",), logprobs=1)
+    seeded = base.with_seed(42)
+    assert seeded == SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=3, stop=("\n",),
+                                    logprobs=1, seed=42)
+    assert base.seed is None and base.with_seed(None) == base
+    for bad in (-1, 2 ** 63, "7"):
+        with pytest.raises(ValueError, match="SamplingParams.seed"):
+            base.with_seed(bad)

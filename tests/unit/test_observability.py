@@ -281,3 +281,37 @@ def test_an_exclusive_group_runs_alone_on_the_device_audit_engine_included(tiny_
     alone, audit, again = asyncio.run(main())
     assert steps_during_exclusive and not any(steps_during_exclusive)
     assert [o.token_ids for o in alone] == [o.token_ids for o in audit] == [o.token_ids for o in again]
+
+
+def test_cost_per_billion_output_tokens_and_rows_ended_at_prefill_in_summary_and_table():
+    from pipeline.report.throughput import ThroughputTracker
+    from pipeline.run.job import _cost
+    from pipeline.run.resources import Placement
+
+    tracker = ThroughputTracker()
+    tracker.add_records([{"actor": "a", "gpu_ids": "", "rows": 10, "tokens": 2_000_000, "seconds": 5.0,
+                          "started": None, "occupancy": None}])
+    # 2 replicas x 1 CPU core x 43.2 s = 0.001 CPU-days for 2M tokens: 0.5 CPU-days per billion
+    cpu = _cost(Placement(replicas=2, gpus_per_replica=0, cpus_per_replica=1), 43.2, tracker)
+    assert cpu["device"] == "cpu" and cpu["device_days_per_billion_output_tokens"] == pytest.approx(0.5)
+    # on GPUs the device is the GPU: 4 replicas x 0.5 GPU x 43.2 s, whatever CPUs they also hold
+    gpu = _cost(Placement(replicas=4, gpus_per_replica=0.5, cpus_per_replica=8), 43.2, tracker)
+    assert gpu["device"] == "gpu" and gpu["device_days_per_billion_output_tokens"] == pytest.approx(0.5)
+    assert _cost(Placement(1, 0, 1), 10.0, ThroughputTracker())["device_days_per_billion_output_tokens"] is None
+    summary = {"rows": {"total": 10, "ok": 10, "error": 0, "finish_reason": {"length": 10}},
+               "tokens": {"prompt": 40, "completion": 2_000_000},
+               "speculation": {"tokens_per_cycle": {"mean_per_row": None, "token_weighted": None, "pooled": None,
+                                                    "tpf_pooled": None},
+                               "accepted_draft_tokens": 0, "draft_tokens": 0, "draft_acceptance_rate": None,
+                               "acceptance_rate_by_position": [], "rows_ended_at_prefill": 10, "cycles": 0},
+               "run": {"rows_generated": 10, "completion_tokens": 2_000_000, "wall_seconds": 43.2,
+                       "tokens_per_second": 1.0, "rows_skipped_as_finished": 0, "actors": [], "cost": cpu,
+                       "startup_seconds": 3.0, "steady_tokens_per_second": 12.5, "steady_rows_per_second": 12.5,
+                       "slot_occupancy": None}}
+    text = render_table(summary, "out")
+    assert ("cost           86 CPU-seconds held (5 busy) = 83,333,333 tokens per CPU-hour = 0.500 CPU-days per "
+            "billion output tokens") in text
+    # every row ended at its prefill (max_new_tokens 1): what that means, not "n/a"
+    assert "then 12.5 tok/s = 12.5 rows/s; no decode iterations (every row ended at its prefill)" in text
+    assert "tokens/cycle   none: all 10 rows ended at their prefill, before any cycle" in text
+    assert "n/a" not in text and "drafts " not in text

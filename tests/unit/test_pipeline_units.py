@@ -284,3 +284,19 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     timed.add(block("c3", 0, None, started=begin + 0.3))
     assert 0.04 < timed.startup_seconds(begin) < 0.06
     assert 120 / 0.5 < timed.steady_tokens_per_second() <= 120 / 0.25
+
+
+def test_request_column_reads_back_column_wise_per_row_settings_and_seeds():
+    from orthrus import SamplingParams
+    from pipeline.rows.request import read_requests, to_arrow
+
+    rows = [([1, 2, 3], SamplingParams(max_new_tokens=1, seed=1)), None,
+            ([4], SamplingParams(max_new_tokens=1, seed=2)),
+            ([5, 6], SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4, stop=("\n",), seed=3)),
+            ([7, 8], SamplingParams(max_new_tokens=1, seed=None))]
+    column = pa.chunked_array([to_arrow(rows[:2]), to_arrow(rows[2:])])     # batches arrive chunked
+    back = read_requests(column)
+    assert len(back) == 5 and back.prompts == [r[0] if r else None for r in rows]
+    assert back.params == [r[1] if r else None for r in rows]               # every setting, each row's seed
+    assert back.prompt_ids.offsets.to_pylist()[-1] == len(back.prompt_ids.values)
+    assert read_requests(pa.chunked_array([], to_arrow([]).type)).params == []

@@ -1,0 +1,112 @@
+"""The driver's terminal: the job's own lines; Ray's own chatter goes to a log file.
+
+Ray prints, before and around the job's first line, notices meant for Ray developers: the
+token-authentication notice, "Started a local Ray instance", Ray Data's execution plan and
+"Progress bars disabled", and a ``core_worker.cc`` line (logged at ERROR level by Ray's C++ core,
+though nothing is wrong: Ray Data itself passes its actors' constructor arguments through the
+object store, ray-project/ray#53727). By default the job sends them to a log file instead:
+
+- Python: the console handlers of the ``ray`` and ``ray.data`` loggers keep only ERROR and above
+  (a real Ray error still reaches the terminal); a file handler gets everything from INFO up.
+- C++: the core worker writes to file descriptor 2 directly, so descriptor 2 is read through a pipe
+  by a thread that moves the lines of :data:`KNOWN_NOTICES` to the log file and passes every other
+  line through unchanged. Only listed notices are moved: an unknown C++ line may be a real error.
+  Python's own ``sys.stderr`` (the job's messages, tracebacks) bypasses the pipe, straight to the
+  terminal, so nothing the job says can be held in the pipe when the process exits.
+
+``--verbose`` leaves Ray's output as Ray prints it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# Ray C++ notices that are not errors (matched as substrings of one line): they go to the log file.
+KNOWN_NOTICES = ("has constructor arguments in the object store and max_restarts > 0",)
+_RAY_LOGGERS = ("ray", "ray.data")
+_FORMAT = "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"
+
+
+def ray_log_path(run_id: str) -> Path:
+    """Where a run's Ray lines go: the temp directory of the driver's machine (the output directory
+    may be an object store, and an overwrite clears its ``_logs/``)."""
+    return Path(tempfile.gettempdir()) / "orthrus-logs" / f"ray-{run_id}.log"
+
+
+class QuietTerminal:
+    """Ray's notices to ``path`` for this process (:meth:`start` before Ray starts, :meth:`divert_native`
+    once it runs, :meth:`close` before exiting)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._log = None
+        self._handler: logging.Handler | None = None
+        self._quieted: list[tuple[logging.Handler, int]] = []
+        self._terminal_fd: int | None = None      # the original descriptor 2, while it is diverted
+        self._reader: threading.Thread | None = None
+        self.moved = 0                            # C++ notice lines moved to the log file
+
+    def start(self) -> QuietTerminal:
+        """Send the Python loggers' notices to the log file (their errors still print)."""
+        import ray.data  # noqa: F401 - configures the ``ray.data`` logger now, so it is not reset later
+        from ray._private.log import generate_logging_config
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.path, "a", buffering=1, encoding="utf-8")
+        self._handler = logging.StreamHandler(self._log)
+        self._handler.setLevel(logging.INFO)
+        self._handler.setFormatter(logging.Formatter(_FORMAT))
+        generate_logging_config()     # idempotent: Ray's own handlers exist before they are adjusted
+        for name in _RAY_LOGGERS:
+            logger = logging.getLogger(name)
+            for h in logger.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    self._quieted.append((h, h.level))
+                    h.setLevel(max(h.level, logging.ERROR))
+            logger.addHandler(self._handler)
+        return self
+
+    def divert_native(self) -> None:
+        """Read descriptor 2 through a filtering pipe (after ``ray.init``: the processes Ray starts
+        keep the real descriptor). Python's ``sys.stderr`` moves to a copy of the terminal's."""
+        if self._terminal_fd is not None:
+            return
+        sys.stderr.flush()
+        self._terminal_fd = os.dup(2)
+        sys.stderr = open(os.dup(self._terminal_fd), "w", buffering=1, encoding="utf-8", errors="replace")
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self._reader = threading.Thread(target=self._pump, args=(read,), name="orthrus-stderr", daemon=True)
+        self._reader.start()
+
+    def _pump(self, read: int) -> None:
+        with open(read, "rb") as pipe:
+            for line in pipe:      # ends when every copy of the pipe's write end is closed
+                text = line.decode("utf-8", "replace")
+                if any(n in text for n in KNOWN_NOTICES):
+                    self.moved += 1
+                    self._log.write(text)
+                else:
+                    os.write(self._terminal_fd, line)
+
+    def close(self) -> None:
+        """Give descriptor 2 back to the terminal (lines still in the pipe are passed on first) and
+        the loggers their handlers."""
+        if self._terminal_fd is not None:
+            sys.stderr.flush()
+            os.dup2(self._terminal_fd, 2)   # closes this process's last write end of the pipe
+            if self._reader is not None:
+                self._reader.join(timeout=2)   # a child holding a copy keeps it open: do not wait on it
+            self._terminal_fd = None
+        for h, level in self._quieted:
+            h.setLevel(level)
+        for name in _RAY_LOGGERS:
+            if self._handler is not None:
+                logging.getLogger(name).removeHandler(self._handler)
+        if self._log is not None:
+            self._log.flush()

@@ -1,0 +1,46 @@
+"""The driver's quiet terminal (``pipeline/run/terminal.py``), in a child process whose stderr the
+test reads: Ray's notices (Python loggers and the listed C++ line) go to the log file; Ray's errors,
+unknown C++ lines and the job's own messages still reach the terminal, also after ``close``.
+
+The whole job's terminal on a real Ray head: ``tests/test_observability_ray.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.run.terminal import KNOWN_NOTICES
+
+REPO = Path(__file__).resolve().parents[1]
+NOTICE = (f"[2026-12-04 15:45:39,505 E 7426 7819] core_worker.cc:2465: Actor with class name: 'X' "
+          f"{KNOWN_NOTICES[0]}. If the arguments in the object store go out of scope ...")
+SCRIPT = """
+import logging, os, sys
+from pathlib import Path
+from pipeline.run.terminal import QuietTerminal
+t = QuietTerminal(Path(sys.argv[1])).start()
+logging.getLogger("ray").warning("ray python notice")
+logging.getLogger("ray.data").warning("Progress bars disabled (ray.data notice)")
+logging.getLogger("ray").error("ray python error")
+t.divert_native()
+os.write(2, (sys.argv[2] + "\\n").encode())          # what Ray's C++ core writes to descriptor 2
+os.write(2, b"an unknown native line\\n")
+print("the job's own message", file=sys.stderr)
+t.close()
+os.write(2, b"after close\\n")
+print(f"moved {t.moved}")
+"""
+
+
+def test_notices_go_to_the_log_file_errors_and_our_lines_to_the_terminal(tmp_path):
+    log = tmp_path / "ray.log"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(log), NOTICE], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err, logged = proc.stderr, log.read_text()
+    for line in ("ray python error", "an unknown native line", "the job's own message", "after close"):
+        assert line in err, err
+    for line in ("ray python notice", "ray.data notice", KNOWN_NOTICES[0]):
+        assert line not in err and line in logged, (err, logged)
+    assert "moved 1" in proc.stdout
