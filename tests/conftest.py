@@ -121,3 +121,22 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)
     local = {item.path for item in items if "ray_local" in getattr(item, "fixturenames", ())}
     items.sort(key=lambda item: item.path in local)      # stable: the order within each group is kept
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto server (a real S3-protocol endpoint on loopback) for the module, a bucket ``bkt``, and
+    the client environment set: ``endpoint``, ``fs`` (pyarrow) and ``storage`` (the job's config)."""
+    from jobs.local_s3 import CLIENT_ENV, moto_server, s3fs
+    from pipeline.config import StorageConfig
+
+    saved = {k: os.environ.get(k) for k in CLIENT_ENV}
+    os.environ.update(CLIENT_ENV)
+    try:
+        with moto_server() as endpoint:
+            fs = s3fs(endpoint)
+            fs.create_dir("bkt")
+            yield {"endpoint": endpoint, "fs": fs, "storage": StorageConfig(endpoint=endpoint)}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -176,8 +176,8 @@ def test_success_marker_through_a_stop_a_resume_and_a_repair(head, tiny_orthrus_
     """``_SUCCESS`` after a complete run; removed at the start of ``--retry-errors`` and of ``--resume``
     (each stopped by ``max_wall_seconds`` here, so only the removal can explain its absence); written
     again by the run that completes. The driver's terminal carries none of Ray's notices."""
-    _shard(tmp_path / "in" / "s0.parquet", id=[f"s0-{i}" for i in range(6)], prompt=[f"def f{i}(a):" for i in range(6)])
-    env = {**_base_env(), "RAY_ADDRESS": head["gcs"]}
+    write_parquet(tmp_path / "in" / "s0.parquet", id=[f"s0-{i}" for i in range(6)], prompt=[f"def f{i}(a):" for i in range(6)])
+    env = {**base_env(), "RAY_ADDRESS": head["gcs"]}
     slow = {**env, "ORTHRUS_FAULT_INJECT": "sleep_per_batch:1.5"}
     job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 4},
                   engine={"batch_size": 3, "max_batch_size": 2}, resources={"replicas": 1})
@@ -206,6 +206,6 @@ def test_success_marker_through_a_stop_a_resume_and_a_repair(head, tiny_orthrus_
     assert run["complete"] and json.loads(marker.read_text())["run_id"] == run["run_id"]
 
     # 4. a new input file, --resume stopped before it finishes: the old marker is gone
-    _shard(tmp_path / "in" / "s1.parquet", id=[f"s1-{i}" for i in range(6)], prompt=[f"def g{i}(a):" for i in range(6)])
+    write_parquet(tmp_path / "in" / "s1.parquet", id=[f"s1-{i}" for i in range(6)], prompt=[f"def g{i}(a):" for i in range(6)])
     run = generate("--resume", "--set", "behaviour.max_wall_seconds=2", environ=slow, status=1)
     assert run["stopped_by"] == "max_wall_seconds" and not run["complete"] and not marker.exists()

@@ -16,28 +16,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.local_s3 import CLIENT_ENV, iam_user, moto_server, s3fs, upload
+from jobs.local_s3 import iam_user, moto_server, upload
 from support.paths import REPO
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, ModelConfig, StorageConfig
 from pipeline.storage.lease import LeaseHeld
 from pipeline.storage.uris import glob_regex, locate
 
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto server for the module, a bucket ``bkt``, and the client environment set."""
-    saved = {k: os.environ.get(k) for k in CLIENT_ENV}
-    os.environ.update(CLIENT_ENV)
-    try:
-        with moto_server() as endpoint:
-            fs = s3fs(endpoint)
-            fs.create_dir("bkt")
-            yield {"endpoint": endpoint, "fs": fs, "storage": StorageConfig(endpoint=endpoint)}
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def _table(ids, **cols):

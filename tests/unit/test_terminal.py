@@ -2,7 +2,7 @@
 test reads: Ray's notices (Python loggers and the listed C++ line) go to the log file; Ray's errors,
 unknown C++ lines and the job's own messages still reach the terminal, also after ``close``.
 
-The whole job's terminal on a real Ray head: ``tests/test_observability_ray.py``.
+The whole job's terminal on a real Ray head: ``tests/e2e/test_observability_ray.py``.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ S3 server: written only for a complete output, holding the run's figures; remove
 (resume, repair, overwrite); an output holding one is still ours to resume.
 
 End to end (a complete job, a ``max_wall_seconds`` stop, ``--resume``, ``--retry-errors``) in
-``tests/test_observability_ray.py`` and, on S3, ``tests/test_storage_ray.py``.
+``tests/e2e/test_observability_ray.py`` and, on S3, ``tests/e2e/test_storage_ray.py``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from pipeline.output.directory import SUCCESS, OutputDir
 from pipeline.output.sources import PartSources
 from pipeline.output.success import mark_complete
 from pipeline.report.summary import summarize
-from test_storage import s3  # noqa: F401 - the moto server fixture, reused
 
 
 @pytest.fixture(params=["local", "s3"])
