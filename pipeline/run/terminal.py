@@ -47,6 +47,7 @@ class QuietTerminal:
         self._handler: logging.Handler | None = None
         self._quieted: list[tuple[logging.Handler, int]] = []
         self._terminal_fd: int | None = None      # the original descriptor 2, while it is diverted
+        self._saved_stderr = None                 # sys.stderr before the diversion, if it was replaced
         self._reader: threading.Thread | None = None
         self.moved = 0                            # C++ notice lines moved to the log file
 
@@ -77,14 +78,19 @@ class QuietTerminal:
             return
         sys.stderr.flush()
         self._terminal_fd = os.dup(2)
-        sys.stderr = open(os.dup(self._terminal_fd), "w", buffering=1, encoding="utf-8", errors="replace")
+        if _writes_to_descriptor_2(sys.stderr):
+            # Only a sys.stderr that writes to descriptor 2 moves; one that writes elsewhere (an
+            # embedding program's, a test's capture) never reaches the pipe and is left as it is.
+            self._saved_stderr = sys.stderr
+            sys.stderr = open(os.dup(self._terminal_fd), "w", buffering=1, encoding="utf-8", errors="replace")
         read, write = os.pipe()
         os.dup2(write, 2)
         os.close(write)
-        self._reader = threading.Thread(target=self._pump, args=(read,), name="orthrus-stderr", daemon=True)
+        self._reader = threading.Thread(target=self._pump, args=(read, self._terminal_fd), name="orthrus-stderr",
+                                        daemon=True)
         self._reader.start()
 
-    def _pump(self, read: int) -> None:
+    def _pump(self, read: int, terminal: int) -> None:
         with open(read, "rb") as pipe:
             for line in pipe:      # ends when every copy of the pipe's write end is closed
                 text = line.decode("utf-8", "replace")
@@ -92,13 +98,16 @@ class QuietTerminal:
                     self.moved += 1
                     self._log.write(text)
                 else:
-                    os.write(self._terminal_fd, line)
+                    os.write(terminal, line)
 
     def close(self) -> None:
         """Give descriptor 2 back to the terminal (lines still in the pipe are passed on first) and
         the loggers their handlers."""
         if self._terminal_fd is not None:
             sys.stderr.flush()
+            if self._saved_stderr is not None:      # the caller's sys.stderr back, ours closed
+                ours, sys.stderr, self._saved_stderr = sys.stderr, self._saved_stderr, None
+                ours.close()
             os.dup2(self._terminal_fd, 2)   # closes this process's last write end of the pipe
             if self._reader is not None:
                 self._reader.join(timeout=2)   # a child holding a copy keeps it open: do not wait on it
@@ -110,3 +119,11 @@ class QuietTerminal:
                 logging.getLogger(name).removeHandler(self._handler)
         if self._log is not None:
             self._log.flush()
+
+
+def _writes_to_descriptor_2(stream) -> bool:
+    """Whether ``stream`` is backed by file descriptor 2 (not a capture or an in-memory stream)."""
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        return False

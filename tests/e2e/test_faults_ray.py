@@ -24,7 +24,8 @@ from support.job_inputs import MSG, mounted, raw_strings, tree_snapshot
 from support.ray_head import generation_actor, kill_pid, part_digests, row_keys, submit, wait_for
 
 PART_NAME = re.compile(r"part-\d{8}-\d{6}-[0-9a-f]{6}-\d{6}\.parquet")
-LAYOUT = {"data", "_tmp", "_job.json", "summary.json", "summary.png"}
+LAYOUT = {"data", "_tmp", "_job.json", "summary.json", "summary.png"}     # a run that stopped early
+COMPLETE = LAYOUT | {"_SUCCESS"}                                          # a complete one
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_bad_inputs_and_oom_end_to_end_rows_in_equal_rows_out(driver, tiny_orthr
     # Nothing written outside the output dir, and inside it only fixed names and run-id part names.
     assert {**tree_snapshot(tmp_path / "in"), **tree_snapshot(tiny_orthrus_dir)} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "job.yaml", "out"]
-    assert {p.name for p in (tmp_path / "out").iterdir()} == LAYOUT
+    assert {p.name for p in (tmp_path / "out").iterdir()} == COMPLETE
     assert all(PART_NAME.fullmatch(p.name) for p in (tmp_path / "out" / "data").iterdir())
     assert not list((tmp_path / "out" / "_tmp").iterdir())
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-from pipeline.run.terminal import KNOWN_NOTICES
+from pipeline.run.terminal import KNOWN_NOTICES, QuietTerminal
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 NOTICE = (f"[2026-12-04 15:45:39,505 E 7426 7819] core_worker.cc:2465: Actor with class name: 'X' "
           f"{KNOWN_NOTICES[0]}. If the arguments in the object store go out of scope ...")
 SCRIPT = """
@@ -44,3 +43,14 @@ def test_notices_go_to_the_log_file_errors_and_our_lines_to_the_terminal(tmp_pat
     for line in ("ray python notice", "ray.data notice", KNOWN_NOTICES[0]):
         assert line not in err and line in logged, (err, logged)
     assert "moved 1" in proc.stdout
+
+
+def test_a_stderr_that_is_not_descriptor_2_is_left_alone_and_restored(tmp_path, capsys):
+    """An embedding program's (here pytest's) sys.stderr keeps receiving the job's lines."""
+    before = sys.stderr
+    terminal = QuietTerminal(tmp_path / "ray.log").start()
+    terminal.divert_native()
+    assert sys.stderr is before
+    print("the job's own message", file=sys.stderr)
+    terminal.close()
+    assert sys.stderr is before and "the job's own message" in capsys.readouterr().err
