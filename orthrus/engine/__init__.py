@@ -1,5 +1,5 @@
 """The streaming engine: request loop, slot table, device iterations, speculation policy, CUDA graphs."""
-from orthrus.engine.engine import EngineStepError, OrthrusEngine
-from orthrus.engine.requests import FinishReason, GenerationResult, RequestOutput
+from orthrus.engine.engine import OrthrusEngine
+from orthrus.engine.requests import EngineStepError, FinishReason, GenerationResult, RequestOutput
 
 __all__ = ["EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "RequestOutput"]

@@ -24,9 +24,9 @@ from orthrus.engine.grammar import SlotGrammars
 from orthrus.engine.packed import Packed
 from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
 from orthrus.engine.prefix_cache import PrefixIndex
-from orthrus.engine.prompt_bounds import prompt_bounds
+from orthrus.engine.request_checks import RequestChecks
 from orthrus.engine.proposer import Proposer
-from orthrus.engine.requests import FinishReason, Request, RequestOutput
+from orthrus.engine.requests import EngineStepError, FinishReason, Request, RequestOutput
 from orthrus.engine.runner import ModelRunner
 from orthrus.engine.slot_table import SlotTable
 from orthrus.engine.stop_strings import StopHit, StopStringScanner
@@ -92,6 +92,7 @@ class OrthrusEngine:
         self.stops = StopStringScanner(tokenizer) if tokenizer is not None else None
         # Grammar matchers of constrained rows (host); structured output needs the tokenizer's bytes.
         self.grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size)
+        self.checks = RequestChecks(self.vocab_size, self.max_seq_len, tokenizer is not None, self.grammars)
         self.table = SlotTable(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size)
         self._waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}         # every unfinished request, by id
@@ -109,52 +110,14 @@ class OrthrusEngine:
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt is empty (0 tokens)")
-        ids = np.asarray(prompt_token_ids)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
-        self._check_prompt(len(ids), int(ids.min()), int(ids.max()))
-        self._check_params(params)
+        self.checks.check(prompt_token_ids, params)
 
     def check_requests(self, token_ids: np.ndarray, offsets: np.ndarray, params: Sequence[SamplingParams]
                        ) -> list[str | None]:
         """:meth:`check_request` for many rows at once → each row's problem (the message it would
         raise) or None. The prompts come as one flat integer array and ``len(params) + 1`` row offsets
         into it (Arrow's list layout), so the id checks run column-wise, not one array per row."""
-        bounds = prompt_bounds(token_ids, offsets)
-        return [self._problem(n, lo, hi, p) for n, lo, hi, p in
-                zip(bounds.lengths.tolist(), bounds.lowest.tolist(), bounds.highest.tolist(), params)]
-
-    def _problem(self, length: int, lowest: int, highest: int, params: SamplingParams) -> str | None:
-        try:
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-            if length == 0:
-                raise ValueError("prompt is empty (0 tokens)")
-            self._check_prompt(length, lowest, highest)
-            self._check_params(params)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    def _check_prompt(self, length: int, lowest: int, highest: int) -> None:
-        if lowest < 0 or highest >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
-        if length >= self.max_seq_len:
-            raise ValueError(f"prompt has {length} tokens; the context limit max_seq_len={self.max_seq_len} "
-                             "leaves no room to generate")
-
-    def _check_params(self, params: SamplingParams) -> None:
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
-                             f"({self.vocab_size} tokens)")
-        if params.stop and self.stops is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer: build the engine with OrthrusEngine(..., tokenizer=...)")
-        if params.structured is not None:
-            self.grammars.matcher(params.structured)    # compiles it (once per constraint): errors now
+        return self.checks.problems(token_ids, offsets, params)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -416,15 +379,6 @@ def _cap_block(block: int, remaining: int) -> int:
     if block == AR or remaining >= block:
         return block
     return remaining if remaining >= 2 else AR
-
-
-class EngineStepError(RuntimeError):
-    """A step's device work raised; ``request_ids`` were dropped (the engine was reset to empty)."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-        self.cause = cause
 
 
 def _check_sizes(max_batch_size: int, block_size: int, max_seq_len: int, attention: str | AttentionBackend) -> None:

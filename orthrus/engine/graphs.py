@@ -22,7 +22,6 @@ capture needs; capture then records the same work without running it, so no stat
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Hashable
 
@@ -46,7 +45,7 @@ def key_bound(kv_len: int, capacity: int, floor: int = STATIC_MIN_KEYS) -> int:
     """Keys a static SDPA iteration attends: the next power of two of the host-known bound (at least
     ``floor``), capped at the capacity. A graph per bound (a few: log2(capacity / floor) + 1) reads
     the keys rows can have, not the whole capacity; keys past a row's length are masked either way."""
-    return min(capacity, max(floor, 1 << max(0, math.ceil(math.log2(max(kv_len, 1))))))
+    return min(capacity, max(floor, SpeculationPolicy.bucket(kv_len)))   # bucket: the next power of two
 
 
 def pad_slots(occupied: np.ndarray, num_slots: int, busy: np.ndarray | None = None

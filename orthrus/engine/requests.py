@@ -95,3 +95,12 @@ class Request:
                                        cumulative_logprob=logprobs.cumulative)
         return RequestOutput(self.request_id, token_ids, reason.label, stop_reason, stats, self.seed, text,
                              queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, error=error, **lp)
+
+
+class EngineStepError(RuntimeError):
+    """A step's device work raised; ``request_ids`` were dropped (the engine was reset to empty)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
