@@ -30,6 +30,11 @@ class SamplingParams:
     likely tokens at each position. Values are the log-softmax of the AR (target) model's raw logits,
     before temperature/top-k/top-p: what plain AR decoding of the same tokens reports.
 
+    ``min_tokens``: no stop token (EOS or ``stop_token_ids``) before this many generated tokens
+    (vLLM's meaning); the stop tokens are masked out of the target distribution at those positions,
+    so under speculation a draft that is one is rejected and the output is still exact. Stop strings
+    still apply. It cannot be combined with ``structured`` (a complete grammar may allow only EOS).
+
     ``structured``: None, or exactly one of ``{"json_schema": ...}``, ``{"regex": ...}``,
     ``{"choice": [...]}``, ``{"grammar": ...}`` (``constraints.py``; stored as a ``Constraint``). The
     row then samples from the model's distribution restricted to the tokens the grammar allows next,
@@ -47,6 +52,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()       # stop strings; need an engine built with a tokenizer
     logprobs: int | None = None      # None: off; 0: the token's log-probability; k: also the top k
     structured: Constraint | None = None   # given as {kind: value}; normalised in __post_init__
+    min_tokens: int = 0              # no stop token before this many generated tokens
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -76,6 +82,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
         object.__setattr__(self, "structured", parse_constraint(self.structured))
+        if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+                and 0 <= self.min_tokens <= self.max_new_tokens):
+            raise ValueError(f"SamplingParams.min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError("SamplingParams.min_tokens cannot be combined with structured: a complete grammar "
+                             "may allow only EOS, which min_tokens forbids")
         if self.structured is not None and (self.stop or self.stop_token_ids):
             which = "stop" if self.stop else "stop_token_ids"
             raise ValueError(f"SamplingParams.{which} cannot be combined with structured: a constrained row "
