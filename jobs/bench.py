@@ -34,7 +34,7 @@ from jobs import bench_logprobs
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.backends import BlockBatch
-from orthrus.engine.syncs import count_host_reads, host_reads
+from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
 
@@ -249,10 +249,10 @@ def forward_profile(model: OrthrusForCausalLM, sizes: list[int], prefix: int = 2
 
 def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> float:
     """Device→host reads per decode iteration in one untimed Orthrus run (the budget is 1)."""
-    before = engine.iterations
+    before = engine.stats.iterations
     with count_host_reads() as reads:
         engine.generate(prompts, SamplingParams(max_new_tokens=max_new), speculative=True)
-    return host_reads(reads) / (engine.iterations - before)
+    return host_reads(reads) / (engine.stats.iterations - before)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -152,8 +152,8 @@ def shared_prefill(model: OrthrusForCausalLM, prompts: list[list[int]], slots: i
     params = [SamplingParams(temperature=0.7, max_new_tokens=max_new_tokens, seed=i) for i in range(len(rows))]
     engine.generate(rows, params)
     once = sum(len(p) for p in prompts)
-    return {"prompts": len(prompts), "n": n, "slots": slots, "prefill_tokens": engine.prefill_tokens,
-            "prompt_tokens_once": once, "prefill_tokens_per_prompt_token": engine.prefill_tokens / once}
+    return {"prompts": len(prompts), "n": n, "slots": slots, "prefill_tokens": engine.stats.prefill_tokens,
+            "prompt_tokens_once": once, "prefill_tokens_per_prompt_token": engine.stats.prefill_tokens / once}
 
 
 def bare_engine(rows_path: str, model_path: str, slots: int, stops: list[str], runs: int = 2) -> dict:
@@ -173,7 +173,7 @@ def bare_engine(rows_path: str, model_path: str, slots: int, stops: list[str], r
         t = time.perf_counter()
         res = engine.generate(ids, params)
         rates.append(sum(len(r.token_ids) for r in res) / (time.perf_counter() - t))
-    return {"tokens_per_s": rates, "slot_occupancy": engine.busy_slot_iterations / (engine.iterations * slots)}
+    return {"tokens_per_s": rates, "slot_occupancy": engine.stats.busy_slot_iterations / (engine.stats.iterations * slots)}
 
 
 if __name__ == "__main__":   # python -m jobs.bench_job ROWS.parquet MODEL SLOTS STOPS_JSON (skewed_job's baseline)

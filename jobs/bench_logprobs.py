@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.engine.syncs import count_host_reads, host_reads
+from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 SETTINGS: tuple[int | None, ...] = (None, 0, 5)
 
@@ -60,10 +60,10 @@ def bench_batch(model: OrthrusForCausalLM, prompts: list[list[int]], b: int, rep
     cells: dict = {name: {"tokens_per_s": statistics.median(v), "tokens": tokens[name]} for name, v in samples.items()}
     for setting in SETTINGS[1:]:
         cells[f"ratio_{setting}"] = cells[_label(setting)]["tokens_per_s"] / cells["none"]["tokens_per_s"]
-    before = engine.iterations
+    before = engine.stats.iterations
     with count_host_reads() as reads:
         _run_once(engine, rows, max_new, 5)
-    cells["host_reads_per_iteration_logprobs_5"] = host_reads(reads) / (engine.iterations - before)
+    cells["host_reads_per_iteration_logprobs_5"] = host_reads(reads) / (engine.stats.iterations - before)
     cells["rows"] = len(rows)
     return cells
 

@@ -13,7 +13,7 @@ Sections (``--sections``; the bundled model in float32, greedy, ``--threads`` to
   extended to that range), tokenized as one text; ``--max-new-tokens`` new tokens through
   ``--slots`` slots. One engine with ``prefix_cache=True`` and one with ``False`` run interleaved
   repetitions (the first a warm-up); reported: rows/s with the cache ÷ without (target >= 2.0),
-  prompt tokens computed per row once the prefix is cached (``engine.prefill_tokens`` delta ÷
+  prompt tokens computed per row once the prefix is cached (``engine.stats.prefill_tokens`` delta ÷
   rows on a warm engine) ÷ the mean row-specific length (target <= 1.2), and whether every
   completion is token-identical between the two (it must be).
 - ``prefix`` (the job, skipped with ``--no-job``): the same rows as text through the Ray Data job
@@ -103,14 +103,14 @@ def prefix_workload(tok, prompts_dir: str, rows: int = 256, prefix_tokens: int =
 def timed_generate(engine: OrthrusEngine, prompts: list[list[int]], max_new: int,
                    speculative: bool | str | None = None) -> dict:
     """One greedy ``generate`` → seconds, rows/s, tokens/s, prompt tokens computed and copied, the ids."""
-    p0, h0 = engine.prefill_tokens, getattr(engine, "prefix_cache_hit_tokens", 0)
+    p0, h0 = engine.stats.prefill_tokens, engine.stats.prefix_cache_hit_tokens
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new), speculative=speculative)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "rows_per_s": len(prompts) / seconds,
             "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
-            "prefill_tokens": engine.prefill_tokens - p0,
-            "hit_tokens": getattr(engine, "prefix_cache_hit_tokens", 0) - h0, "ids": [o.token_ids for o in outs]}
+            "prefill_tokens": engine.stats.prefill_tokens - p0,
+            "hit_tokens": engine.stats.prefix_cache_hit_tokens - h0, "ids": [o.token_ids for o in outs]}
 
 
 def interleaved(runs: dict, reps: int) -> tuple[dict[str, list[dict]], dict[str, dict], bool]:

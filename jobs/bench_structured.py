@@ -52,7 +52,7 @@ from jobs.part_timer import PARTS, PartTimer
 from jobs.prompt_ids import load_prompt_ids
 from jobs.structured_suite import SUITE, Case, valid
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
-from orthrus.engine.syncs import count_host_reads, host_reads
+from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 SPECULATIVE_MODES = ("free", "constrained", "mixed")     # the modes that are timed split by part
 MODES = ("free", "constrained", "constrained_ar", "free_matched", "free_ar", "free_plain", "mixed")
@@ -90,11 +90,11 @@ def run_mode(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, ma
              matched: list[int] | None = None) -> dict:
     """One timed greedy ``generate`` of ``mode`` → the cell (with the token ids under ``ids``)."""
     params = row_params(mode, len(prompts), max_new, matched)
-    it0, busy0 = engine.iterations, engine.busy_slot_iterations
+    it0, busy0 = engine.stats.iterations, engine.stats.busy_slot_iterations
     start = time.perf_counter()
     outs = engine.generate(prompts, params, speculative=speculative_of(mode))
     seconds = time.perf_counter() - start
-    iters, busy = engine.iterations - it0, engine.busy_slot_iterations - busy0
+    iters, busy = engine.stats.iterations - it0, engine.stats.busy_slot_iterations - busy0
     tokens = sum(len(o.token_ids) for o in outs)
     row_iters = sum(o.stats.num_cycles + o.stats.num_ar_steps for o in outs)
     cell = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
@@ -141,10 +141,10 @@ def split_run(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, m
 
 
 def host_reads_per_iteration(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, max_new: int) -> float:
-    before = engine.iterations
+    before = engine.stats.iterations
     with count_host_reads() as reads:
         run_mode(engine, tok, prompts, mode, max_new)
-    return host_reads(reads) / max(1, engine.iterations - before)
+    return host_reads(reads) / max(1, engine.stats.iterations - before)
 
 
 def bench_batch(model: OrthrusForCausalLM, tok, prompts: list[list[int]], b: int, modes: list[str],

@@ -36,7 +36,7 @@ import torch
 from transformers import Qwen3Config
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, rng, sampling
-from orthrus.engine import decode
+from orthrus.engine.device import kernels as decode
 from orthrus.sampling import SamplingTensors
 
 QWEN3_VOCAB, QWEN3_MASK, QWEN3_EOS = 151_936, 151_669, [151_645, 151_643]
@@ -140,12 +140,12 @@ def run_once(engine: OrthrusEngine, prompts: list[list[int]], setting: str, spec
     params = [SamplingParams(max_new_tokens=tokens, seed=i, **({} if greedy else SAMPLED))
               for i in range(len(prompts))]
     split = CallSplit(engine.model)
-    before = engine.iterations
+    before = engine.stats.iterations
     with split.active(full_sort_process if setting == "sampled (full sort)" else None):
         start = time.perf_counter()
         out = engine.generate(prompts, params, speculative=speculative)
         seconds = time.perf_counter() - start
-    calls = engine.iterations - before
+    calls = engine.stats.iterations - before
     rest = seconds - sum(split.seconds.values())
     return {"seconds": seconds, "tokens": sum(len(o.token_ids) for o in out), "calls": calls,
             **{f"{part}_s": s for part, s in split.seconds.items()}, "rest_s": rest}

@@ -48,7 +48,7 @@ from jobs import bench
 from jobs.gpu_budget import Budget, Step, guard, write_json
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.engine.syncs import count_host_reads
+from orthrus.testing.host_syncs import count_host_reads
 from orthrus.model import flash
 
 # Per device: exactness prompts and new tokens; bench batch sizes, new tokens, timed repetitions.

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from orthrus import OrthrusEngine
-from orthrus.engine import decode
+from orthrus.engine.device import kernels as decode
 
 
 class PartTimer:

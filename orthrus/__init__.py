@@ -4,14 +4,14 @@ Layout: ``orthrus.engine`` (the streaming request loop and everything it steps),
 (the dual-view Qwen3, attention backends, KV cache, checkpoints), ``orthrus.sampling`` (processing,
 sampling and speculative acceptance), ``orthrus.params`` (request parameters and row statistics),
 ``orthrus.metrics`` (the acceptance metrics), ``orthrus.constraints`` (structured-output
-constraints; their grammar masks live in ``orthrus.engine.grammar``). Training lives apart, in ``orthrus_train``.
+constraints; their grammar masks live in ``orthrus.engine.host.grammar``). Training lives apart, in ``orthrus_train``.
 """
 from orthrus.constraints import Constraint, ConstraintError
-from orthrus.engine import EngineStepError, FinishReason, GenerationResult, OrthrusEngine, RequestOutput
-from orthrus.engine.grammar import check_structured
+from orthrus.engine import EngineStats, EngineStepError, FinishReason, GenerationResult, OrthrusEngine, RequestOutput
+from orthrus.engine.host.grammar import check_structured
 from orthrus.metrics import tokens_per_cycle
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import RowStats, SamplingParams
 
-__all__ = ["Constraint", "ConstraintError", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
+__all__ = ["Constraint", "ConstraintError", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
            "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]

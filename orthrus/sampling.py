@@ -161,14 +161,23 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(positive, idx, probs.argmax(-1, keepdim=True)).squeeze(-1)
 
 
+class Verdict(NamedTuple):
+    """The verifier's verdict on a block: the drafts ``[b, K-1]``, how many were accepted ``L [b]``,
+    and the next anchor ``[b]`` (the correction after a rejection, or the bonus token)."""
+
+    drafts: torch.Tensor
+    n_acc: torch.Tensor
+    next_token: torch.Tensor
+
+
 def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-           u_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           u_residual: torch.Tensor) -> Verdict:
     """Speculative acceptance for a whole batch.
 
     p ``[b, K, V]``: target for positions n+1 … n+K.  q ``[b, K-1, V]``: proposal for n+1 … n+K-1.
     drafts ``[b, K-1]``, u_accept ``[b, K-1]``, u_residual ``[b]``.
-    Returns ``L [b]`` (accepted drafts) and the next anchor ``[b]``: drawn from
-    ``normalise(max(p_L - q_L, 0))`` after a rejection, or from ``p_{K-1}`` (bonus) when all pass.
+    The next anchor is drawn from ``normalise(max(p_L - q_L, 0))`` after a rejection, or from
+    ``p_{K-1}`` (bonus) when all pass.
     """
     b, k, v = p.shape
     p_d = p[:, : k - 1].gather(-1, drafts[..., None]).squeeze(-1)          # p_{j-1}(d_j) [b, K-1]
@@ -181,16 +190,28 @@ def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: tor
     residual = (p_l - q_l).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_l)
     nxt = sample(residual[:, None], u_residual[:, None]).squeeze(1)
-    return n_acc, nxt
+    return Verdict(drafts, n_acc, nxt)
 
 
-def greedy_accept(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All-greedy fast path: the same result as ``accept`` on one-hot distributions, from argmaxes only.
-
-    Returns drafts ``[b, K-1]``, ``L [b]`` and the next anchor ``[b]`` (the AR argmax after the
-    accepted prefix: a correction, or the bonus token when every draft matched).
-    """
+def greedy_accept(p_logits: torch.Tensor, q_logits: torch.Tensor) -> Verdict:
+    """All-greedy fast path: the same result as ``accept`` on one-hot distributions, from argmaxes
+    only (the next anchor is the AR argmax after the accepted prefix)."""
     drafts = q_logits.argmax(-1)                                            # [b, K-1]
     target = p_logits.argmax(-1)                                            # [b, K]
     n_acc = (drafts == target[:, :-1]).long().cumprod(-1).sum(-1)          # [b]
-    return drafts, n_acc, target.gather(1, n_acc[:, None]).squeeze(1)
+    return Verdict(drafts, n_acc, target.gather(1, n_acc[:, None]).squeeze(1))
+
+
+def forbid_early_stops(logits: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
+                       min_new: torch.Tensor) -> torch.Tensor:
+    """``logits [b, T, V]`` with every stop id ``stop_ids [b, S]`` (-1 padded, ascending) set to -inf
+    at the positions whose token would be generated before ``min_new [b]`` (position t holds token
+    ``produced + t``, ``produced [b]`` already generated): vLLM's ``min_tokens``, applied to the
+    target only, so a draft that is such a stop has probability 0 and is rejected (exact). A copy."""
+    t = torch.arange(logits.shape[1], device=logits.device)
+    early = (produced[:, None] + t[None, :] < min_new[:, None]) & (stop_ids[:, :1] >= 0)    # [b, T]
+    # Padding (-1) repeats the row's first stop id, so duplicate indices always write the same value.
+    ids = torch.where(stop_ids >= 0, stop_ids, stop_ids[:, :1]).clamp(min=0)            # [b, S]
+    idx = ids[:, None, :].expand(-1, logits.shape[1], -1)                                 # [b, T, S]
+    vals = torch.where(early[..., None], float("-inf"), logits.gather(-1, idx))
+    return logits.scatter(-1, idx, vals)

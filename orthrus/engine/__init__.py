@@ -1,5 +1,8 @@
-"""The streaming engine: request loop, slot table, device iterations, speculation policy, CUDA graphs."""
+"""The streaming engine: ``engine.py`` steps a host scheduler (``host/``, no torch) and a device runner
+(``device/``) through the records of ``step.py``; what comes back is in ``outputs.py``."""
 from orthrus.engine.engine import OrthrusEngine
-from orthrus.engine.requests import EngineStepError, FinishReason, GenerationResult, RequestOutput
+from orthrus.engine.outputs import (EngineStats, EngineStepError, FinishReason, GenerationResult, RequestOutput,
+                                    TokenLogprobs)
 
-__all__ = ["EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "RequestOutput"]
+__all__ = ["EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "RequestOutput",
+           "TokenLogprobs"]

@@ -1,29 +1,44 @@
-"""The one device→host transfer per iteration, described once: packed on the device, unpacked on the host.
+"""The one device→host transfer per iteration, described once (the device builds it from ``COLUMNS``
+and ``logprob_columns``; the host splits it here). Numpy only.
 
 Per row (int64): ``[emitted (W) | n_emit | n_acc | reason | alive_before | first | logprobs?]`` where
 W is the iteration's block size (1 for an AR step), ``n_emit`` the tokens kept after stop truncation,
-``n_acc`` the accepted drafts L, ``reason`` a :class:`FinishReason` code, ``alive_before`` whether
+``n_acc`` the accepted drafts L, ``reason`` a ``FinishReason`` code, ``alive_before`` whether
 the row decoded in this iteration and ``first`` the token sampled at prefill (-1 when the row was
-not just admitted). Only when some row of the iteration asked for logprobs, the logprob block of
-``logprobs.py`` follows (``(1 + W) * (1 + 2w)`` columns at top-k width w); otherwise nothing.
+not just admitted). Only when some row of the iteration asked for logprobs, a logprob block follows:
+per row ``(1 + W)`` positions × ``(logprob, top_lp (w), top_id (w))``, where position 0 is the
+prefill's first token (meaningful only for a row admitted in this step) and positions 1 … W the
+emitted tokens; floats travel as float64 bit patterns in the int64 tensor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from orthrus.engine.logprobs import LogprobBlock, block_columns
-
-TRAILER = 5   # columns after the emitted tokens
+COLUMNS = ("n_emit", "n_acc", "reason", "alive", "first")   # after the emitted tokens, in this order
+TRAILER = len(COLUMNS)
 
 
-def pack(emitted: torch.Tensor, n_emit: torch.Tensor, n_acc: torch.Tensor, reason: torch.Tensor,
-         alive: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Device side: ``emitted [b, W]`` and five ``[b]`` columns → ``[b, W + 5]`` int64."""
-    cols = torch.stack([n_emit, n_acc, reason, alive.long(), first], 1)
-    return torch.cat([emitted, cols], 1)
+def logprob_columns(positions: int, width: int) -> int:
+    """Columns of a logprob block over ``positions`` (1 + W) at top-k ``width``."""
+    return positions * (1 + 2 * width)
+
+
+@dataclass(frozen=True)
+class LogprobBlock:
+    """Host side of one iteration's logprob block (position 0 = the prefill's first token)."""
+
+    token: np.ndarray     # [b, 1+W] float64
+    top_lp: np.ndarray    # [b, 1+W, w] float64
+    top_id: np.ndarray    # [b, 1+W, w] int64
+
+    @classmethod
+    def unpack(cls, host: np.ndarray, width: int) -> LogprobBlock:
+        """Split the ``[b, (1 + W) * (1 + 2w)]`` int64 tail of a packed result."""
+        cells = host.reshape(host.shape[0], -1, 1 + 2 * width)                # [b, 1+W, 1+2w]
+        floats = np.ascontiguousarray(cells[..., : 1 + width]).view(np.float64)
+        return cls(floats[..., 0], floats[..., 1:], cells[..., 1 + width:])
 
 
 @dataclass(frozen=True)
@@ -39,7 +54,7 @@ class Packed:
     logprobs: LogprobBlock | None = None   # only when the iteration computed logprobs
 
     @classmethod
-    def unpack(cls, host: np.ndarray, logprobs: int | None = None) -> "Packed":
+    def unpack(cls, host: np.ndarray, logprobs: int | None = None) -> Packed:
         """Split a ``[b, W + 5 (+ logprob block)]`` host array into its columns; ``logprobs`` is the
         iteration's top-k width (None = no block)."""
         cols = host.shape[1]
@@ -47,7 +62,7 @@ class Packed:
         w = cols - TRAILER if logprobs is None else (cols - TRAILER - 1 - 2 * logprobs) // (2 + 2 * logprobs)
         lp = None
         if logprobs is not None:
-            assert w + TRAILER + block_columns(1 + w, logprobs) == cols, "packed layout mismatch"
+            assert w + TRAILER + logprob_columns(1 + w, logprobs) == cols, "packed layout mismatch"
             lp = LogprobBlock.unpack(host[:, w + TRAILER:], logprobs)
-        return cls(host[:, :w], host[:, w], host[:, w + 1], host[:, w + 2], host[:, w + 3].astype(bool),
-                   host[:, w + 4], lp)
+        c = {name: host[:, w + i] for i, name in enumerate(COLUMNS)}
+        return cls(host[:, :w], c["n_emit"], c["n_acc"], c["reason"], c["alive"].astype(bool), c["first"], lp)

@@ -105,8 +105,8 @@ class EngineLoop:
     def occupancy(self) -> Occupancy:
         """A snapshot of the engine's counters (plain ints; racy reads are fine for statistics)."""
         e = self.engine
-        return Occupancy(e.iterations, e.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000),
-                         Prefill(e.prefill_tokens, e.prefix_cache_hit_tokens))
+        return Occupancy(e.stats.iterations, e.stats.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000),
+                         Prefill(e.stats.prefill_tokens, e.stats.prefix_cache_hit_tokens))
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams],
                   exclusive: bool = False, engine: str = MAIN) -> list[RequestOutput]:

@@ -12,19 +12,25 @@ K = 5
 class ReplayProposer:
     """Proposes the AR model's own greedy continuation, corrupted so that exactly L drafts match.
 
-    L is chosen per (row, position) by a fixed rule that cycles through 0 … K-1.
+    L is chosen per (row, position) by a fixed rule that cycles through 0 … K-1. The engine passes
+    slots; which request (row) sits in a slot the proposer reads from the engine's slot table (the
+    test adds row ``i`` as request id ``str(i)``).
     """
 
     def __init__(self, sequences: list[list[int]], vocab: int) -> None:
         self.sequences = sequences
         self.vocab = vocab
         self.planned: list[tuple[int, int, int]] = []   # (row, position, L)
+        self.engine: OrthrusEngine | None = None
 
-    def propose(self, anchor, batch, cache, rows, backend):
+    def row(self, slot: int) -> int:
+        return int(self.engine.scheduler.table.requests[slot].request_id)
+
+    def propose(self, anchor, batch, cache, slots, backend):
         b, k = batch.positions.shape
         logits = torch.zeros(b, k - 1, self.vocab, dtype=torch.float64)
         for i in range(b):   # test-only code: per-row Python is fine here
-            row, n = int(rows[i]), int(batch.positions[i, 0])
+            row, n = self.row(int(slots[i])), int(batch.positions[i, 0])
             seq = self.sequences[row]
             want = (n * 3 + row) % k                     # drafts 1..want are right, want+1 is wrong
             self.planned.append((row, n, want))
@@ -46,8 +52,13 @@ def test_replay_proposer_hits_every_accept_length_and_stays_exact():
     longer = ref_engine.generate(prompts, SamplingParams(max_new_tokens=40 + K), speculative=False)
     sequences = [p + r.token_ids for p, r in zip(prompts, longer)]
     proposer = ReplayProposer(sequences, model.config.vocab_size)
-    engine = OrthrusEngine(model, max_batch_size=2, proposer=proposer)
-    got = engine.generate(prompts, params)
+    engine = proposer.engine = OrthrusEngine(model, max_batch_size=2, proposer=proposer)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    got = [done[str(i)] for i in range(len(prompts))]
     hist = [0] * K
     for r, want in zip(got, ref):
         assert r.token_ids == want.token_ids and r.finish_reason == want.finish_reason

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.policy import AR
+from orthrus.engine.step import AR
 from support.tiny_models import hf_greedy, hf_twin, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
@@ -79,7 +79,7 @@ def test_auto_speculation_is_exact_and_reports_both_kinds_of_iteration(model):
     engine = OrthrusEngine(model, max_batch_size=3)
     params = SamplingParams(max_new_tokens=40)
     auto = engine.generate(PROMPTS, params, speculative="auto")
-    policy = engine.policy
+    policy = engine.scheduler.policy
     ar = engine.generate(PROMPTS, params, speculative=False)
     assert [r.token_ids for r in auto] == [r.token_ids for r in ar]
     assert policy.arms == (AR, 4, 2) and all(n > 0 for n in policy.chosen.values())   # every arm measured

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.engine.syncs import count_host_reads
+from orthrus.engine.step import Iteration, SamplingPaths
+from orthrus.testing.host_syncs import count_host_reads
 from support.tiny_models import hf_twin, tiny_model
 from support.paths import TOKENIZER_DIR
 
@@ -127,7 +128,7 @@ def test_shared_prefill_samples(model, hf):
     engine.add_request(prompt, sampled(9, 3), request_id="late")   # copies a running slot's prompt
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step())
-    assert engine.prefill_tokens == len(prompt)
+    assert engine.stats.prefill_tokens == len(prompt)
     for out in done.values():
         check(hf, prompt, out, 3)
 
@@ -207,8 +208,8 @@ def test_still_one_host_read_per_iteration(speculative, static, logprobs):
                              logprobs=logprobs if i % 2 else None) for i in range(5)]
     with count_host_reads() as reads:
         outs = engine.generate(PROMPTS[:5], params, speculative=speculative)
-    assert engine.iterations > 5
-    assert dict(reads) == {"cpu": engine.iterations, "h2d_async": engine.iterations + engine.admitting_steps}
+    assert engine.stats.iterations > 5
+    assert dict(reads) == {"cpu": engine.stats.iterations, "h2d_async": engine.stats.iterations + engine.stats.admitting_steps}
     assert all(len(o.token_logprobs) == len(o.token_ids) for o in outs[1::2])
 
 
@@ -218,7 +219,8 @@ def test_iteration_with_logprobs_traces_as_one_graph(model, spec):
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
     engine.generate(PROMPTS[:2], greedy(3))
     torch._dynamo.reset()
-    plan, _, _ = engine.runner.plan(np.arange(4), engine.block_size if spec else 0, 0, True, False, 5)
+    it = Iteration(engine.block_size if spec else 0, np.arange(4), 0, SamplingPaths(True, False))
+    plan = engine.runner.plan(it, 5, np.arange(0)).plan
     traced = torch.compile(lambda s: engine.runner.device_iteration(plan, s), backend="eager", fullgraph=True,
                            dynamic=False)
     with torch.inference_mode():

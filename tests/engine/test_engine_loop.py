@@ -19,10 +19,15 @@ POISON = 62
 class PoisonEngine(OrthrusEngine):
     """A real engine whose decode step fails while a prompt holding ``POISON`` is in a slot (test-only)."""
 
-    def _decode(self, slots):
-        if any(POISON in self.table.requests[s].prompt for s in slots.tolist()):
-            raise RuntimeError("poison row in the batch")
-        return super()._decode(slots)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        execute = self.runner.execute
+
+        def poisoned(step):
+            if any(POISON in self.scheduler.table.requests[s].prompt for s in step.rows.tolist()):
+                raise RuntimeError("poison row in the batch")
+            return execute(step)
+        self.runner.execute = poisoned
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.syncs import count_host_reads
+from orthrus.testing.host_syncs import count_host_reads
 from support.tiny_models import hf_greedy, hf_twin, tiny_model
 
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7], [9, 3], [2, 3, 8, 4]]
@@ -22,7 +22,7 @@ def test_one_token_rows_run_no_iteration(model, speculative):
     params = [SamplingParams(max_new_tokens=1, logprobs=2), SamplingParams(temperature=0.9, max_new_tokens=1, seed=3)]
     with count_host_reads() as reads:
         got = engine.generate(PROMPTS, params * 3, speculative=speculative)
-    assert engine.iterations == 0 and reads["cpu"] == 2          # two admitting steps, one read each
+    assert engine.stats.iterations == 0 and reads["cpu"] == 2          # two admitting steps, one read each
     alone = OrthrusEngine(model, max_batch_size=1, prefix_cache=False)
     for prompt, p, r in zip(PROMPTS, params * 3, got):
         want = alone.generate([prompt], p, speculative=False)[0]
@@ -57,9 +57,9 @@ def test_greedy_block_is_capped_by_the_tokens_left(model):
     engine = OrthrusEngine(model, max_batch_size=3)
     seen, plan = [], engine.runner.plan
 
-    def recording(slots, block, *rest):
-        seen.append((block, int(engine.table.remaining(slots).max())))
-        return plan(slots, block, *rest)
+    def recording(it, logprobs, busy):
+        seen.append((it.block, int(engine.scheduler.table.remaining(it.slots).max())))
+        return plan(it, logprobs, busy)
 
     engine.runner.plan = recording
     got = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in budgets])

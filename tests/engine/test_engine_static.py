@@ -19,10 +19,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.graphs import bucket, key_bound, pad_slots
+from orthrus.engine.device.graphs import bucket, key_bound, pad_slots
+from orthrus.engine.step import Iteration, SamplingPaths
 from orthrus.model.backends import FlashKVCache
 from support.oracles import reference_flash_attn_with_kvcache
 from support.tiny_models import tiny_model
+
+NONE = np.arange(0)   # no busy slots
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23],
            [24, 25, 26], [27], [28, 29], [30, 31, 32, 33, 34]]
@@ -45,7 +48,8 @@ def _run(model, params, speculative, static: bool, flash: bool, slots: int = 5):
 def test_padding_buckets_use_free_slots_only():
     assert [bucket(n, 5) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 5]
     occupied = torch.tensor([4, 1, 3]).numpy()
-    padded, where = pad_slots(occupied, 5)
+    pad = pad_slots(occupied, 5)
+    padded, where = pad.rows, pad.where
     assert len(padded) == 4 and len(set(padded)) == 4 and list(padded) == sorted(padded)
     assert list(padded[where]) == [4, 1, 3]
 
@@ -65,10 +69,10 @@ def test_static_sdpa_iterations_use_few_key_bounds():
     seen = []
     plan = engine.runner.plan
 
-    def spy(slots, block, kv_len, *rest):
-        planned = plan(slots, block, kv_len, *rest)
-        seen.append((kv_len, planned[0].kv_len))
-        return planned
+    def spy(it, logprobs, busy):
+        placed = plan(it, logprobs, busy)
+        seen.append((it.kv_len, placed.plan.kv_len))
+        return placed
     engine.runner.plan = spy
     out = engine.generate(prompts, params)
     eager = OrthrusEngine(model, max_batch_size=2, max_seq_len=1100, attention="sdpa").generate(prompts, params)
@@ -114,7 +118,8 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
     engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])   # leaves a reset, valid state
     torch._dynamo.reset()
     k = engine.block_size if spec else 0
-    plan, rows, _ = engine.runner.plan(np.arange(4), k, 0, not all_greedy, all_greedy, None)
+    placed = engine.runner.plan(Iteration(k, np.arange(4), 0, SamplingPaths(not all_greedy, all_greedy)), None, NONE)
+    plan, rows = placed.plan, placed.rows
     assert rows.tolist() == [0, 1, 2, 3] and plan.kv_len == key_bound(0, engine.cache.capacity) and plan.all_slots
     traced = torch.compile(lambda s: engine.runner.device_iteration(plan, s), backend="eager", fullgraph=True,
                            dynamic=False)
@@ -146,8 +151,8 @@ def test_static_iteration_takes_no_host_data(model, spec, all_greedy, logprobs):
     """What a CUDA graph captures must not build tensors from host values (capture precondition)."""
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
     engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])
-    plan, _, _ = engine.runner.plan(np.arange(4), engine.block_size if spec else 0, 0, not all_greedy,
-                                    all_greedy, logprobs)
+    it = Iteration(engine.block_size if spec else 0, np.arange(4), 0, SamplingPaths(not all_greedy, all_greedy))
+    plan = engine.runner.plan(it, logprobs, NONE).plan
     spy = HostDataSpy()
     with torch.inference_mode(), spy:
         engine.runner.device_iteration(plan, torch.arange(4))

@@ -100,11 +100,11 @@ def test_shared_prefill_equals_separate_prefills(model, temperature):
     params = [SamplingParams(temperature=temperature, max_new_tokens=16, seed=s) for s in range(4)]
     shared = OrthrusEngine(model, max_batch_size=6)
     got = shared.generate([prompt] * 4 + [[1, 2]], params + [SamplingParams(max_new_tokens=16)])
-    assert shared.prefill_tokens == len(prompt) + 2        # the prompt once, not 4 times
+    assert shared.stats.prefill_tokens == len(prompt) + 2        # the prompt once, not 4 times
     for p, r in zip(params, got):
         alone = OrthrusEngine(model, max_batch_size=1)
         assert r.token_ids == alone.generate([prompt], p)[0].token_ids
-        assert alone.prefill_tokens == len(prompt)
+        assert alone.stats.prefill_tokens == len(prompt)
     if temperature:
         assert len({tuple(r.token_ids) for r in got[:4]}) > 1   # each sample keeps its own stream
 
@@ -153,7 +153,7 @@ def test_prompt_shared_across_steps_with_a_running_slot(model, static):
               for i, n in enumerate(lengths)]
     engine = OrthrusEngine(model, max_batch_size=2, static_shapes=static)
     got = engine.generate([prompt] * len(lengths), params)
-    assert engine.prefill_tokens == len(prompt)                 # once for all five samples
+    assert engine.stats.prefill_tokens == len(prompt)                 # once for all five samples
     for p, r in zip(params, got):
         assert r.token_ids == OrthrusEngine(model, max_batch_size=1).generate([prompt], p)[0].token_ids
 
@@ -165,6 +165,6 @@ def test_a_freed_slot_lends_its_prompt_only_when_nothing_wrote_there(model, stat
     params = [SamplingParams(temperature=0.8, max_new_tokens=7, seed=s, stop_token_ids=()) for s in range(4)]
     engine = OrthrusEngine(model, max_batch_size=2, static_shapes=static)
     got = engine.generate([prompt] * 4, params)
-    assert engine.prefill_tokens == len(prompt) * (2 if static else 1)
+    assert engine.stats.prefill_tokens == len(prompt) * (2 if static else 1)
     for p, r in zip(params, got):
         assert r.token_ids == OrthrusEngine(model, max_batch_size=1).generate([prompt], p)[0].token_ids

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.syncs import count_host_reads
+from orthrus.testing.host_syncs import count_host_reads
 from support.tiny_models import tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17]]
@@ -34,10 +34,10 @@ def test_one_host_read_per_iteration(speculative, static, temperature):
     params = SamplingParams(temperature=temperature, top_k=10, max_new_tokens=16, seed=1)
     with count_host_reads() as reads:
         engine.generate(PROMPTS, params, speculative=speculative)
-    assert engine.iterations > 5
+    assert engine.stats.iterations > 5
     # One read per iteration; one host→device copy per iteration (its slot indices) and one per
     # admitting step (every admitted request's prompt and settings), none from pageable memory.
-    assert dict(reads) == {"cpu": engine.iterations, "h2d_async": engine.iterations + engine.admitting_steps}
+    assert dict(reads) == {"cpu": engine.stats.iterations, "h2d_async": engine.stats.iterations + engine.stats.admitting_steps}
 
 
 def test_an_admitting_step_makes_one_host_to_device_copy():
@@ -52,4 +52,4 @@ def test_an_admitting_step_makes_one_host_to_device_copy():
     with count_host_reads() as reads:
         engine.step()
     assert dict(reads) == {"cpu": 1, "h2d_async": 1}
-    assert engine.admitting_steps == 3
+    assert engine.stats.admitting_steps == 3

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
-from orthrus.engine.prefix_cache import PrefixIndex, block_hashes
+from orthrus.engine.host.policy import AR, SpeculationPolicy, halving_block_sizes
+from orthrus.engine.host.prefix_cache import PrefixIndex, block_hashes
 from support.tiny_models import hf_greedy, hf_twin, tiny_model
 
 PREFIX = np.random.default_rng(3).integers(1, 60, 37).tolist()   # no EOS (63) in any prompt
@@ -60,7 +60,7 @@ class FixedCostPolicy(SpeculationPolicy):
 def _run(model, prompts, params, **kw):
     engine = OrthrusEngine(model, **kw)
     if kw.get("speculative") == "auto":
-        engine.policy = FixedCostPolicy(halving_block_sizes(engine.block_size))
+        engine.scheduler.policy = FixedCostPolicy(halving_block_sizes(engine.block_size))
     return engine, [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
 
 
@@ -76,14 +76,14 @@ def test_shared_prefix_tokens_equal_no_cache(model, speculative, temperature):
     plain, want = _run(model, prompts, params, max_batch_size=4, speculative=speculative, prefix_cache=False)
     assert got == want
     if speculative == "auto":     # it did switch: AR steps and cycles both ran
-        assert cached.policy.chosen == plain.policy.chosen and cached.policy.chosen[AR] > 0
-        assert sum(cached.policy.chosen.values()) > cached.policy.chosen[AR]
+        assert cached.scheduler.policy.chosen == plain.scheduler.policy.chosen and cached.scheduler.policy.chosen[AR] > 0
+        assert sum(cached.scheduler.policy.chosen.values()) > cached.scheduler.policy.chosen[AR]
     rest = sum(len(p) - len(PREFIX) for p in prompts)
-    assert plain.prefill_tokens == sum(len(p) for p in prompts) and plain.prefix_cache_hit_tokens == 0
+    assert plain.stats.prefill_tokens == sum(len(p) for p in prompts) and plain.stats.prefix_cache_hit_tokens == 0
     # the prefix is computed once; each row computes its own part (plus at most one block's leftover)
-    assert cached.prefill_tokens <= len(PREFIX) + rest + len(prompts) * 16
-    assert cached.prefill_tokens + cached.prefix_cache_hit_tokens == plain.prefill_tokens
-    assert cached.prefix_cache_hit_tokens >= (len(prompts) - 1) * 32
+    assert cached.stats.prefill_tokens <= len(PREFIX) + rest + len(prompts) * 16
+    assert cached.stats.prefill_tokens + cached.stats.prefix_cache_hit_tokens == plain.stats.prefill_tokens
+    assert cached.stats.prefix_cache_hit_tokens >= (len(prompts) - 1) * 32
 
 
 def test_greedy_with_prefix_cache_equals_transformers(model):
@@ -93,7 +93,7 @@ def test_greedy_with_prefix_cache_equals_transformers(model):
     hf = hf_twin(model)
     for p, r in zip(prompts, got):
         assert r.token_ids == hf_greedy(hf, p, 12, model.eos_token_ids)
-    assert engine.prefix_cache_hit_tokens > 0
+    assert engine.stats.prefix_cache_hit_tokens > 0
 
 
 def test_requests_added_mid_flight_copy_from_running_slots(model):
@@ -103,13 +103,13 @@ def test_requests_added_mid_flight_copy_from_running_slots(model):
     engine = OrthrusEngine(model, max_batch_size=6)
     engine.add_request(prompts[0], params, request_id="0")
     out = {o.request_id: o for o in engine.step()}
-    computed = engine.prefill_tokens
+    computed = engine.stats.prefill_tokens
     for i, p in enumerate(prompts[1:], 1):
         engine.add_request(p, params, request_id=str(i))
         out.update((o.request_id, o) for o in engine.step())
     while engine.has_unfinished_requests():
         out.update((o.request_id, o) for o in engine.step())
-    assert engine.prefill_tokens - computed < sum(len(p) for p in prompts[1:]) - 5 * 32
+    assert engine.stats.prefill_tokens - computed < sum(len(p) for p in prompts[1:]) - 5 * 32
     for i, p in enumerate(prompts):
         alone = OrthrusEngine(model, max_batch_size=1, prefix_cache=False).generate([p], params)[0]
         assert out[str(i)].token_ids == alone.token_ids
@@ -127,7 +127,7 @@ def test_a_forward_that_would_pass_a_slot_is_split(model):
     got = [r.token_ids for r in engine.generate(prompts[1:], params)]
     ref = OrthrusEngine(model, max_batch_size=3, max_seq_len=56, prefix_cache=False)
     assert got == [r.token_ids for r in ref.generate(prompts[1:], params)]
-    assert engine.prefix_cache_hit_tokens == 40
+    assert engine.stats.prefix_cache_hit_tokens == 40
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -137,4 +137,4 @@ def test_static_shapes_never_reuse_freed_slots(model, static):
     engine, got = _run(model, prompts, params, max_batch_size=2, static_shapes=static)
     _, want = _run(model, prompts, params, max_batch_size=2, static_shapes=static, prefix_cache=False)
     assert got == want
-    assert engine.prefix_cache_hit_tokens > 0
+    assert engine.stats.prefix_cache_hit_tokens > 0

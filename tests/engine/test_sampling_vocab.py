@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 from orthrus import sampling
-from orthrus.engine.syncs import count_host_reads
+from orthrus.testing.host_syncs import count_host_reads
 from orthrus.sampling import SamplingTensors, process
 
 QWEN3_VOCAB = 151_936

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.engine.stop_strings import StopStringScanner
+from orthrus.engine.host.stop_strings import StopStringScanner
 from support.oracles import OracleProposer
 from support.paths import TOKENIZER_DIR
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from support.paths import TOKENIZER_DIR
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.engine.syncs import count_host_reads
+from orthrus.testing.host_syncs import count_host_reads
 from support.constraints import PERSON, PROMPTS
 from support.oracles import chi2_pvalue
 from support.tiny_models import hf_twin, tiny_model
@@ -52,7 +52,7 @@ def lltok(tok):
 
 
 def matcher(lltok, structured: dict) -> llguidance.LLMatcher:
-    from orthrus.engine.grammar import _grammar
+    from orthrus.engine.host.grammar import _grammar
     from orthrus.constraints import parse_constraint
     return llguidance.LLMatcher(lltok, _grammar(parse_constraint(structured)), log_level=0)
 
@@ -197,8 +197,8 @@ def test_host_reads_one_extra_only_in_constrained_cycles(model, tok):
         with count_host_reads() as reads:
             engine.generate(PROMPTS[:2], _params(structured, max_new=6, temperature=0.7, seed=1),
                             speculative=speculative)
-        expected_cpu = engine.iterations + (1 if structured else 0)   # + the admitting step's own read
-        assert reads["cpu"] == expected_cpu and reads["d2h"] == (engine.iterations if reads_per_iteration == 2 else 0)
+        expected_cpu = engine.stats.iterations + (1 if structured else 0)   # + the admitting step's own read
+        assert reads["cpu"] == expected_cpu and reads["d2h"] == (engine.stats.iterations if reads_per_iteration == 2 else 0)
 
 
 @pytest.mark.parametrize("structured, field", [({"regex": "a(b"}, "structured.regex"),

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from orthrus import ConstraintError, OrthrusEngine, SamplingParams
-from orthrus.engine.grammar_limits import MAX_CHOICES, MAX_OPTIONAL_PROPERTIES, admits_a_value
+from orthrus.engine.host.grammar_limits import MAX_CHOICES, MAX_OPTIONAL_PROPERTIES, admits_a_value
 from support.constraints import EXPLODES, EXPLODES_AT_ONCE, PERSON, PROMPTS
 from support.paths import TOKENIZER_DIR
 from support.tiny_models import tiny_model
@@ -61,13 +61,13 @@ def test_a_grammar_failing_mid_decode_ends_only_its_row(model, tok, speculative,
 
 
 def test_a_failed_row_adds_no_host_read_for_the_others(model, tok):
-    from orthrus.engine.syncs import count_host_reads
+    from orthrus.testing.host_syncs import count_host_reads
 
     def reads(rows):
         engine = OrthrusEngine(model, max_batch_size=8, tokenizer=tok)
         with count_host_reads() as counted:
             engine.generate([r[0] for r in rows], [r[1] for r in rows])
-        return counted["cpu"] - engine.iterations, counted["d2h"] - engine.iterations
+        return counted["cpu"] - engine.stats.iterations, counted["d2h"] - engine.stats.iterations
 
     # per iteration: one read, and one more (the drafts) while a row is constrained; no extra for a failure
     assert reads(_rows(EXPLODES)) == reads(_rows(None))

@@ -7,7 +7,7 @@ import torch
 
 from orthrus.model.backends import BlockBatch, RaggedSDPA
 from orthrus.model.cache import RaggedKVCache
-from orthrus.engine.proposer import DiffusionProposer
+from orthrus.engine.device.proposer import DiffusionProposer
 from orthrus_train.training import (distill_loss, dual_pass_mask, freeze_all_but_diffusion, sample_anchors,
                               student_pass, teacher_pass)
 from support.tiny_models import tiny_model

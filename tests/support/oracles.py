@@ -60,7 +60,7 @@ class OracleProposer:
     def __init__(self, sequence: list[int], vocab: int) -> None:
         self.sequence, self.vocab = sequence, vocab
 
-    def propose(self, anchor, batch, cache, rows, backend):
+    def propose(self, anchor, batch, cache, slots, backend):
         b, k = batch.positions.shape
         logits = torch.zeros(b, k - 1, self.vocab)
         for i in range(b):

@@ -202,7 +202,7 @@ def test_batch_records_and_metrics_count_prefilled_and_prefix_cache_hit_tokens(t
     computed = sum(r["prefill"]["computed_tokens"] for r in records)
     hits = sum(r["prefill"]["prefix_cache_hit_tokens"] for r in records)
     assert computed + hits == 2 * prompt_tokens                       # every admitted prompt token, once
-    assert (computed, hits) == (stage.engine.prefill_tokens, stage.engine.prefix_cache_hit_tokens)
+    assert (computed, hits) == (stage.engine.stats.prefill_tokens, stage.engine.stats.prefix_cache_hit_tokens)
     assert computed > 0 and hits > 0
     assert [r["occupancy"]["slots"] for r in records] == [4, 4]
     assert records[1]["occupancy"]["end"]["iterations"] >= records[1]["occupancy"]["arrival"]["iterations"] > 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from orthrus.engine.policy import AR, SpeculationPolicy, halving_block_sizes
+from orthrus.engine.host.policy import AR, SpeculationPolicy, halving_block_sizes
 
 ACCEPT = [0.83, 0.42, 0.37, 0.21, 0.35, 0.6, 1.0]          # the bundled model's per-position rates
 

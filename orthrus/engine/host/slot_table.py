@@ -10,10 +10,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from orthrus.engine.logprobs import LogprobBook
+from dataclasses import dataclass
+
+from orthrus.engine.host.logprob_book import LogprobBook
+from orthrus.engine.host.requests import Request
+from orthrus.engine.outputs import FinishReason
 from orthrus.engine.packed import Packed
+from orthrus.engine.step import SamplingPaths
 from orthrus.params import RowStats
-from orthrus.engine.requests import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What one iteration did, from the host's book: the slots that finished in it and their
+    ``FinishReason`` codes, tokens produced by its live rows (sum of L + 1) and how many rows were live."""
+
+    finished: np.ndarray
+    reasons: np.ndarray
+    tokens: int
+    live: int
+
+
+@dataclass(frozen=True)
+class Released:
+    """A freed slot's request, the tokens it keeps, and its statistics."""
+
+    request: Request
+    tokens: list[int]
+    stats: RowStats
 
 
 class SlotTable:
@@ -29,6 +53,7 @@ class SlotTable:
         self.count = np.zeros(num_slots, dtype=np.int64)           # generated tokens so far
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
         self.limit = np.zeros(num_slots, dtype=np.int64)           # most tokens the row may generate
+        self.min_new = np.zeros(num_slots, dtype=np.int64)         # no stop before this many (min_tokens)
         self.greedy = np.zeros(num_slots, dtype=bool)
         self.filtered = np.zeros(num_slots, dtype=bool)            # sampled with top-k or top-p
         self.has_stops = np.zeros(num_slots, dtype=bool)           # has stop strings to scan for
@@ -48,9 +73,18 @@ class SlotTable:
         """Slots holding a request, ascending."""
         return np.flatnonzero(self.busy_mask)
 
-    def flags(self, slots: np.ndarray) -> tuple[bool, bool]:
-        """(filtered, all_greedy) of these rows: the sampling fast paths an iteration may take."""
-        return bool(self.filtered[slots].any()), bool(self.greedy[slots].all())
+    def paths(self, slots: np.ndarray) -> SamplingPaths:
+        """The sampling fast paths an iteration over these rows may take (a row admitted this step
+        counts its first token, sampled by its prefill, as in ``remaining``)."""
+        return self._paths(slots, np.maximum(self.count[slots], 1))
+
+    def prefill_paths(self, slots: np.ndarray) -> SamplingPaths:
+        """The sampling fast paths of the prefill that samples these rows' first tokens."""
+        return self._paths(slots, np.zeros(len(slots), dtype=np.int64))
+
+    def _paths(self, slots: np.ndarray, produced: np.ndarray) -> SamplingPaths:
+        early = self.min_new[slots] > produced        # the next token may not be a stop (min_tokens)
+        return SamplingPaths(bool(self.filtered[slots].any()), bool(self.greedy[slots].all()), bool(early.any()))
 
     def admit(self, slots: np.ndarray, requests: list[Request]) -> None:
         """Seat ``requests`` in ``slots`` with fresh counters."""
@@ -64,6 +98,7 @@ class SlotTable:
         self.prompt_len[slots] = [len(r.prompt) for r in requests]
         self.limit[slots] = np.minimum([r.params.max_new_tokens for r in requests], self.capacity - self.prompt_len[slots])
         self.greedy[slots] = [r.params.greedy for r in requests]
+        self.min_new[slots] = [r.params.min_tokens for r in requests]
         self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
                                 for r in requests]
         self.has_stops[slots] = [bool(r.params.stop) for r in requests]
@@ -79,9 +114,8 @@ class SlotTable:
         committed = self.prompt_len[slots] + np.maximum(self.count[slots] - 1, 0)
         return int(committed.max()) + self.width
 
-    def record(self, slots: np.ndarray, out: Packed, block_size: int) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """Fold one iteration in (``block_size`` 0 = an AR step) → (finished slots, their reason codes,
-        sum of L+1 over live rows, number of live rows)."""
+    def record(self, slots: np.ndarray, out: Packed, block_size: int) -> Recorded:
+        """Fold one iteration in (``block_size`` 0 = an AR step) → what it did."""
         new = out.first >= 0
         if out.logprobs is not None:
             self.logprobs.record(slots, new, self.count[slots], out.n_emit, out.logprobs)
@@ -97,20 +131,19 @@ class SlotTable:
         ended = out.reason != FinishReason.RUNNING
         if not block_size:
             self.ar_steps[slots] += live
-            return slots[ended], out.reason[ended], int(live.sum()), int(live.sum())
+            return Recorded(slots[ended], out.reason[ended], int(live.sum()), int(live.sum()))
         self.cycles[slots] += live
         self.drafted[slots] += live * (block_size - 1)
         self.accepted[slots] += out.n_acc
         np.add.at(self.hist, (slots[live], out.n_acc[live]), 1)
-        return slots[ended], out.reason[ended], int(out.n_acc[live].sum() + live.sum()), int(live.sum())
+        return Recorded(slots[ended], out.reason[ended], int(out.n_acc[live].sum() + live.sum()), int(live.sum()))
 
     def generated(self, slot: int) -> np.ndarray:
         """The slot's generated tokens so far (a view)."""
         return self.tokens[slot, : self.count[slot]]
 
-    def release(self, slot: int, keep: int | None = None, end: int | None = None
-                ) -> tuple[Request, list[int], RowStats]:
-        """Free ``slot`` → (its request, its first ``keep`` tokens (all by default), its stats).
+    def release(self, slot: int, keep: int | None = None, end: int | None = None) -> Released:
+        """Free ``slot`` → its request, its first ``keep`` tokens (all by default), its stats.
 
         ``end``: tokens up to the one that completed a stop string; those decoded after it are counted."""
         req = self.requests[slot]
@@ -126,4 +159,4 @@ class SlotTable:
         self.requests[slot] = None
         self.busy_mask[slot] = False
         req.slot = -1
-        return req, tokens, stats
+        return Released(req, tokens, stats)

@@ -12,7 +12,7 @@ A row whose whole prompt some slot holds copies that slot's last hidden state to
 nothing. Every forward is ragged: row i computes tokens ``start[i] … start[i] + len[i] - 1`` at
 their own positions, right-padded to the forward's longest rest; a pad token writes K/V past its
 row's prompt (stale, overwritten by the row's first block) and its output is never read. The host
-plan (``scheduler.plan_prompts``) splits a stage into more forwards only where one padded forward
+plan (``host/admission.py``) splits a stage into more forwards only where one padded forward
 would pass a slot's capacity.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class PrefillStage:
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """Rows admitted in one step, on the device (host-planned by ``scheduler.admission``):
+    """Rows admitted in one step, on the device (host-planned by ``host/admission.py``):
     ``slots [b]``, their prompt lengths ``row_lens [b]``, the stages that fill their prompts, and
     the grammar masks of their first tokens ``masks [b, W]`` int32 (None: no row is constrained)."""
 

@@ -1,4 +1,5 @@
-"""Grammar masks of constrained rows: compiled once per constraint, one matcher per slot (host side).
+"""Grammar masks of constrained rows, host side: compiled once per constraint, one matcher per slot
+(the device applies them: ``device/masks.py``).
 
 Built on llguidance (a Rust grammar engine with Python bindings and no further dependencies). It
 compiles a JSON schema in about a millisecond, computes a next-token mask in microseconds to a
@@ -25,13 +26,10 @@ import llguidance
 import llguidance.hf
 import llguidance.numpy as llnp
 import numpy as np
-import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from orthrus.constraints import Constraint, ConstraintError, parse_constraint
-from orthrus.engine.grammar_limits import check_limits
-from orthrus.engine.staging import HostStaging
-from orthrus.engine.syncs import note_transfer
+from orthrus.engine.host.grammar_limits import check_limits
 
 COMPILED_CACHE = 256      # distinct constraints kept compiled per engine (least recently used dropped)
 # JSON is laid out as ``json.dumps`` does (", " and ": ", no other whitespace): llguidance's default
@@ -249,65 +247,6 @@ class SlotGrammars:
                 if not self._check(s):
                     out[i * k: (i + 1) * k] = -1    # a failed row's masks: all-ones, its tokens unused
         return out.reshape(n, k, self.words)
-
-
-def to_staged(bits: np.ndarray) -> np.ndarray:
-    """int32 mask words → int64 pairs (the staging buffer's element), padded to an even count."""
-    flat = np.ascontiguousarray(bits).reshape(-1)
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.full(1, -1, dtype=np.int32)])
-    return flat.view(np.int64)
-
-
-def from_staged(staged: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The device side of ``to_staged``: int64 pairs → int32 words of ``shape``."""
-    n = int(np.prod(shape))
-    return staged.view(torch.int32)[:n].view(shape)
-
-
-def allowed(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mask words ``[..., W]`` int32 → ``[..., V]`` bool (token allowed)."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
-    return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]
-
-
-def constrain(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``logits [..., V]`` with the tokens the masks ``bits [..., W]`` refuse set to -inf (a copy)."""
-    return logits.masked_fill(~allowed(bits, logits.shape[-1]), float("-inf"))
-
-
-class IterationMasks:
-    """One iteration's grammar masks on the device, for its rows ``[n]``.
-
-    ``first [n, W]``: each row's mask for its next token, known before the iteration starts (staged
-    with its indices). In a cycle, ``start(drafts)`` begins reading the drafts back and ``along()``
-    finishes it: the masks ``[n, K, W]`` along the drafted path, computed on the host while the device
-    runs the verify forward queued in between (on a GPU; a CPU does the two in turn).
-    """
-
-    def __init__(self, grammars: SlotGrammars, rows: np.ndarray, first: torch.Tensor, staging: HostStaging,
-                 readback: torch.Tensor) -> None:
-        self.grammars, self.rows, self.first, self.staging = grammars, rows, first, staging
-        self._readback = readback          # flat int64 host buffer, pinned on a GPU, reused every cycle
-        self._drafts: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def start(self, drafts: torch.Tensor) -> None:
-        """Queue the copy of ``drafts [n, K-1]`` to the host (pinned and asynchronous on a GPU)."""
-        cuda = drafts.device.type == "cuda"
-        self._drafts = self._readback[: drafts.numel()].view(drafts.shape)
-        self._drafts.copy_(drafts, non_blocking=cuda)
-        if cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(drafts.device))
-
-    def along(self) -> torch.Tensor:
-        """The verify positions' masks ``[n, K, W]`` int32 on the device (one host→device copy)."""
-        if self._copied is not None:
-            self._copied.synchronize()      # SYNC: the constrained cycle's second read (its drafts)
-        note_transfer("d2h")
-        bits = self.grammars.path(self.rows, self._drafts.numpy())
-        return from_staged(self.staging.stage({"bits": to_staged(bits)})["bits"], bits.shape)
 
 
 def check_structured(tokenizer, structured) -> Constraint | None:

@@ -31,7 +31,8 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 
-AR = 0   # the arm of a plain AR step; every other arm is a block size
+from orthrus.engine.step import AR, occupancy_bucket   # AR: the arm of a plain AR step
+
 
 
 def halving_block_sizes(block_size: int) -> tuple[int, ...]:
@@ -64,7 +65,7 @@ class SpeculationPolicy:
     @staticmethod
     def bucket(occupancy: int) -> int:
         """Occupancy bucket: the next power of two (costs grow smoothly in between)."""
-        return 1 << max(0, math.ceil(math.log2(max(occupancy, 1))))
+        return occupancy_bucket(occupancy)
 
     def tokens_per_cycle(self, arm: int) -> float:
         """Current estimate of tokens per iteration (per row) of an arm."""

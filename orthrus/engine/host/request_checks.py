@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orthrus.engine.grammar import SlotGrammars
+from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.params import SamplingParams
 
 

@@ -6,7 +6,7 @@ sampling field) and one per iteration (the slot indices), the host would wait fo
 many times while the loop's budget is one read per iteration. Here every piece of a transfer is
 packed into one int64 host buffer (pinned on CUDA; floats travel as their float64 bit patterns,
 bools as 0/1), copied with one ``non_blocking`` copy, and handed back as views of the device
-buffer. Counted by ``syncs.count_host_reads`` as ``h2d_async``.
+buffer. Counted in ``transfers.COUNTS`` as ``h2d_async``.
 
 Reuse: the host buffer is overwritten only after the previous copy out of it has finished (a CUDA
 event, normally long done: each iteration's read-back drains the stream). A device buffer is
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from orthrus.engine.syncs import note_transfer
+from orthrus.engine.transfers import note_transfer
 
 
 class HostStaging:

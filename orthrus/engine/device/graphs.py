@@ -23,34 +23,42 @@ capture needs; capture then records the same work without running it, so no stat
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
-from orthrus.engine.syncs import note_transfer
-
-from orthrus.engine.policy import SpeculationPolicy
+from orthrus.engine.step import occupancy_bucket
+from orthrus.engine.transfers import note_transfer
 
 STATIC_MIN_KEYS = 256   # smallest key bound of a static SDPA iteration (fewer graphs for short rows)
-GraphKey = Hashable   # the iteration's plan itself (runner.IterationPlan): every input that shapes the work
+GraphKey = Hashable   # the iteration's plan itself (plan.IterationPlan): every input that shapes the work
 
 
 def bucket(occupancy: int, num_slots: int) -> int:
     """Rows a static iteration runs for ``occupancy`` live slots: the policy's bucket, capped."""
-    return min(num_slots, SpeculationPolicy.bucket(occupancy))
+    return min(num_slots, occupancy_bucket(occupancy))
 
 
 def key_bound(kv_len: int, capacity: int, floor: int = STATIC_MIN_KEYS) -> int:
     """Keys a static SDPA iteration attends: the next power of two of the host-known bound (at least
     ``floor``), capped at the capacity. A graph per bound (a few: log2(capacity / floor) + 1) reads
     the keys rows can have, not the whole capacity; keys past a row's length are masked either way."""
-    return min(capacity, max(floor, SpeculationPolicy.bucket(kv_len)))   # bucket: the next power of two
+    return min(capacity, max(floor, occupancy_bucket(kv_len)))   # the next power of two
 
 
-def pad_slots(occupied: np.ndarray, num_slots: int, busy: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Occupied slots padded with free ones to the bucket size, sorted; and each occupied slot's row.
+@dataclass(frozen=True)
+class Padding:
+    """A static iteration's ``rows`` (occupied slots and free ones, sorted) and where each occupied
+    slot sits among them."""
+
+    rows: np.ndarray
+    where: np.ndarray
+
+
+def pad_slots(occupied: np.ndarray, num_slots: int, busy: np.ndarray | None = None) -> Padding | None:
+    """Occupied slots padded with free ones to the bucket size.
     Slots in ``busy`` (rows that hold a request but sit this iteration out) are never padding: a
     padding row's iteration clears its prefill token and would decode it if alive. None when too few
     slots are free to pad."""
@@ -60,7 +68,7 @@ def pad_slots(occupied: np.ndarray, num_slots: int, busy: np.ndarray | None = No
     if need > len(free):
         return None
     padded = np.sort(np.concatenate([occupied, free[:need]]))
-    return padded, np.searchsorted(padded, occupied)
+    return Padding(padded, np.searchsorted(padded, occupied))
 
 
 class CycleGraphs:

@@ -19,9 +19,10 @@ class Proposer(Protocol):
     """Returns proposal logits ``[b, K-1, V]`` for positions ``n+1 … n+K-1`` of each row."""
 
     def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
-                rows: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        """``anchor [b]`` sits at ``batch.positions[:, 0]``; ``rows [b]`` index the generate call's prompts;
-        ``backend`` is the engine's, for proposers that run the model over ``cache``."""
+                slots: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """``anchor [b]`` sits at ``batch.positions[:, 0]``; ``slots [b]`` are the rows' slots (a test
+        proposer maps them to its requests on its side); ``backend`` is the engine's, for proposers
+        that run the model over ``cache``."""
         ...
 
 
@@ -33,7 +34,7 @@ class DiffusionProposer:
         self.mask_token_id = model.mask_token_id
 
     def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
-                rows: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+                slots: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         k = batch.positions.shape[1]
         block = torch.full((anchor.shape[0], k), self.mask_token_id, dtype=torch.long, device=anchor.device)
         block[:, 0] = anchor                                                  # [b, K]

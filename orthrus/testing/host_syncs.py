@@ -2,13 +2,14 @@
 
 Each read below blocks the host until the device has caught up (the tensor methods ``item``,
 ``tolist`` and ``cpu``, and Python's ``bool``/``int``/``float``/index conversions of a tensor, as
-in ``if t.any():``). The decode loop's budget is one per iteration — the packed result in
-``engine.py`` — and the tests and the benchmark check it with this counter. On a CPU nothing
+in ``if t.any():``). The decode loop's budget is one per iteration — the packed result read in
+``device/runner.py`` — and the tests and the benchmark check it with this counter. On a CPU nothing
 actually waits, but the same calls are counted: they are the places that would sync on a GPU. It patches
 ``torch.Tensor`` for the duration of the ``with`` block only: a profiling tool, not for serving.
 
 Host→device copies are counted in the same Counter: ``h2d_async`` for the decode loop's one-copy
-transfers through a staging buffer (``staging.py``, and the graphs' static slot buffer), and
+transfers through a staging buffer (``device/staging.py``, and the graphs' static slot buffer; the
+engine counts these itself in ``orthrus.engine.transfers``, added here), and
 ``h2d`` for ``torch.as_tensor`` / ``torch.tensor`` of host data with a device: copies from pageable
 memory, which synchronise a CUDA stream; and ``h2d_scalar`` for a Python number written into a
 tensor by index (``t[idx] = -1``): on CUDA, PyTorch stages the value in a pageable host tensor and
@@ -26,21 +27,14 @@ from contextlib import contextmanager
 
 import torch
 
+from orthrus.engine import transfers
+
 # (``numpy`` is not here: it only accepts host tensors, so the sync is the ``cpu`` call before it.)
 HOST_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
-_ACTIVE: list[Counter] = []   # the counters of the ``count_host_reads`` blocks now open
-
-
 def host_reads(counts: Counter) -> int:
     """The device→host reads in a ``count_host_reads`` Counter (not its host→device copies); ``d2h``
     counts the reads made on purpose through a pinned buffer (a constrained cycle's drafts)."""
     return sum(counts[name] for name in HOST_READS) + counts["d2h"]
-
-
-def note_transfer(kind: str = "h2d_async") -> None:
-    """Count one host→device copy made on purpose (the staging buffers call this)."""
-    for counts in _ACTIVE:
-        counts[kind] += 1
 
 
 def _counted(name: str, fn: Callable, counts: Counter) -> Callable:
@@ -78,10 +72,10 @@ def count_host_reads() -> Iterator[Counter]:
         for name, fn in factories.items():
             setattr(torch, name, _factory(fn, counts))
         torch.Tensor.__setitem__ = _setitem(torch.Tensor.__setitem__, counts)
-        _ACTIVE.append(counts)
+        before = transfers.COUNTS.copy()
         yield counts
     finally:
-        _ACTIVE[:] = [c for c in _ACTIVE if c is not counts]
+        counts.update(transfers.COUNTS - before)   # the engine's own transfers in the block
         for name, fn in factories.items():
             setattr(torch, name, fn)
         for name, fn in own.items():

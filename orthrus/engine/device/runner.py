@@ -1,0 +1,171 @@
+"""ModelRunner: everything on the device, behind one call — ``execute(step) -> StepOutput``.
+
+The scheduler (host) decides *what* a step is and writes it down as a ``ScheduledStep``; the runner
+owns *how* it runs: the model, the KV cache (plain storage), the one attention backend chosen at
+construction, the draft proposer, the per-slot device state, the staging buffers and the captured
+CUDA graphs. Every device write happens here or in the kernels it calls. A static-shape
+iteration's graph is keyed by its :class:`IterationPlan` itself, so no flag that changes the device
+work can be left out of the key.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from orthrus.engine.device import admission, kernels
+from orthrus.engine.device.graphs import CycleGraphs, key_bound, pad_slots
+from orthrus.engine.device.masks import IterationMasks, from_staged, to_staged
+from orthrus.engine.device.plan import DeviceParts, IterationPlan
+from orthrus.engine.device.proposer import DiffusionProposer, Proposer
+from orthrus.engine.device.slot_state import SlotState
+from orthrus.engine.device.staging import HostStaging
+from orthrus.engine.packed import Packed
+from orthrus.engine.step import AR, Iteration, ScheduledStep, StepOutput
+from orthrus.model.backends import AttentionBackend, choose_backend
+from orthrus.model.cache import RaggedKVCache
+from orthrus.model.qwen3 import OrthrusForCausalLM
+
+KEY_BUCKET = 128   # eager GPU attention: key lengths rounded up to a multiple of this (no token changes)
+
+
+@dataclass(frozen=True)
+class PlacedIteration:
+    """An iteration placed on the device: its ``plan`` (the graph key), the ``rows`` it runs (padded
+    on the static path), and where each live row's result sits among them (None: the same rows)."""
+
+    plan: IterationPlan
+    rows: np.ndarray
+    where: np.ndarray | None
+
+
+class ModelRunner:
+    """The device side of one engine: model, cache, backend, proposer, slot state and graphs."""
+
+    def __init__(self, parts: DeviceParts, static_shapes: bool) -> None:
+        self.parts, self.static_shapes = parts, static_shapes
+        self.cache, self.backend, self.state = parts.cache, parts.backend, parts.state
+        self.num_slots = parts.cache.num_slots
+        device = parts.cache.lengths.device
+        self.graphs = CycleGraphs(device)
+        # Host→device transfers: one copy per admitting step, one per iteration (staging.py), and one
+        # more in a cycle with grammar-constrained rows (their masks along the drafts).
+        self.admission_staging = HostStaging(device)
+        self.index_staging = HostStaging(device)
+        self.mask_staging = HostStaging(device)
+        # ... and the one extra read of such a cycle (its drafts) lands here.
+        block = parts.cache.capacity - parts.max_seq_len          # the scratch block: the largest block size
+        self.draft_readback = torch.empty(self.num_slots * block, dtype=torch.long, pin_memory=device.type == "cuda")
+
+    @classmethod
+    def create(cls, model: OrthrusForCausalLM, num_slots: int, block_size: int, max_seq_len: int,
+               attention: str | AttentionBackend, static_shapes: bool | None, key_bucket: int | None,
+               proposer: Proposer | None, stop_width: int) -> ModelRunner:
+        """Allocate everything once: the cache (``max_seq_len`` plus one scratch block per slot),
+        the slot state, and the backend ``attention`` names ("auto" | "sdpa" | "flash") or is."""
+        cfg, param = model.config, next(model.parameters())
+        device, attn = param.device, model.model.layers[0].self_attn
+        cache = RaggedKVCache(cfg.num_hidden_layers, num_slots, attn.num_kv_heads, max_seq_len + block_size,
+                              attn.head_dim, param.dtype, device)
+        if not isinstance(attention, AttentionBackend):
+            # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans
+            # (cuDNN) are built per shape, and the exact length changes almost every iteration. On a
+            # CPU the extra (masked) keys would only cost compute, so lengths stay exact there.
+            bucket = key_bucket or (KEY_BUCKET if device.type == "cuda" else 1)
+            attention = choose_backend(attention, device, param.dtype, attn.num_heads, attn.num_kv_heads,
+                                       attn.head_dim, bucket)
+        # Static shapes (CUDA graphs) by default on CUDA with either backend: an eager iteration is
+        # launch-bound (H200, 1.7B shape: ~30 ms per forward at any B and T), and a replayed one was
+        # measured 3.9-4.4x faster in AR steps with SDPA, at 1,056 and at 8,224 keys of capacity
+        # (static SDPA reads a power-of-two key bound, graphs.key_bound, not the whole capacity).
+        static = device.type == "cuda" if static_shapes is None else bool(static_shapes)
+        state = SlotState(num_slots, stop_width, device, cfg.hidden_size, param.dtype)
+        parts = DeviceParts(model, cache, attention, proposer or DiffusionProposer(model), state, max_seq_len)
+        return cls(parts, static)
+
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        """Run one step: mark ``step.kill`` dead, seat and prefill the admission, run the iteration,
+        pack the settled rows, and read the iteration's rows and the settled ones back in ONE
+        transfer (the step's one sync) → the packed rows of ``step.rows``, in that order."""
+        it = step.iteration
+        placed = self.plan(it, step.logprobs, step.settled) if it is not None else None
+        plan, rows, where = (placed.plan, placed.rows, placed.where) if placed is not None else (None, None, None)
+        eager = plan is not None and (not self.static_shapes or where is None)
+        # One host→device copy for the step's indices (the static path's rows go through the graph's
+        # own buffer): a second copy through the same staging buffer would wait for the first.
+        staged = {"kill": step.kill} if len(step.kill) else {}
+        if eager:
+            staged["rows"] = rows
+        if len(step.settled):
+            staged["settled"] = step.settled
+        if plan is not None and plan.constrained:
+            staged["masks"] = to_staged(it.first_masks)
+        idx = self.index_staging.stage(staged) if staged else {}
+        if "kill" in idx:
+            self.state.alive.index_fill_(0, idx["kill"], False)
+        if step.admission is not None:
+            self._widen(step.admission.params.stop_ids.shape[1])
+            batch = admission.seat(step.admission, self.admission_staging, self.state)
+            kernels.prefill(self.parts, batch, step.admission.paths, step.admission.logprobs)
+        started = time.perf_counter()
+        if not step.reads:
+            return StepOutput(None, started)
+        parts = []
+        if plan is not None:
+            parts.append(self._iterate(plan, it, rows, idx, eager))
+        if len(step.settled):
+            width = plan.width if plan is not None else 1
+            parts.append(kernels.settle(self.parts, idx["settled"], width, step.logprobs))
+        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()  # SYNC: the one read per step
+        if where is not None:
+            n = len(rows)
+            host = np.concatenate([host[:n][where], host[n:]]) if len(step.settled) else host[where]
+        return StepOutput(Packed.unpack(host, step.logprobs), started)
+
+    def plan(self, it: Iteration, logprobs: int | None, busy: np.ndarray) -> PlacedIteration:
+        """Place an iteration with a logprob width of ``logprobs``. A static iteration is padded to
+        its bucket with free slots (never those in ``busy``: rows that sit it out) unless it is
+        constrained (never captured) or too few slots are free; it then runs eagerly."""
+        constrained = it.grammar is not None
+        padding = pad_slots(it.slots, self.num_slots, busy) if self.static_shapes and not constrained else None
+        if padding is None:
+            return PlacedIteration(IterationPlan(it.block, len(it.slots), len(it.slots) == self.num_slots, it.kv_len,
+                                                 it.paths, logprobs, constrained), it.slots, None)
+        padded, where = padding.rows, padding.where
+        # flash bounds keys per row inside the kernel: one graph for every length (kv_len unused)
+        keys = self.cache.capacity if self.backend.name == "flash" else key_bound(it.kv_len, self.cache.capacity)
+        return PlacedIteration(IterationPlan(it.block, len(padded), len(padded) == self.num_slots, keys, it.paths,
+                                             logprobs, constrained), padded, where)
+
+    def _iterate(self, plan: IterationPlan, it: Iteration, rows: np.ndarray, idx: dict[str, torch.Tensor],
+                 eager: bool) -> torch.Tensor:
+        """The iteration's device work → packed ``[rows, W + 5 (+ logprobs)]``: eagerly, with the
+        constrained rows' grammar masks, or through the graph of its plan."""
+        if plan.constrained:
+            first = from_staged(idx["masks"], it.first_masks.shape)
+            masks = IterationMasks(it.grammar, rows, first, self.mask_staging, self.draft_readback)
+            return self.device_iteration(plan, idx["rows"], masks)
+        if eager:
+            return self.device_iteration(plan, idx["rows"])
+        return self.graphs.run(plan, rows, lambda s: self.device_iteration(plan, s))
+
+    def device_iteration(self, plan: IterationPlan, slots: torch.Tensor,
+                         masks: IterationMasks | None = None) -> torch.Tensor:
+        """The device work of one iteration over ``slots [rows]`` → packed ``[rows, W + 5 (+ logprobs)]``
+        (no host reads without ``masks``: this is what a CUDA graph captures)."""
+        if plan.block != AR:
+            return kernels.speculative_cycle(self.parts, plan, slots, masks)
+        return kernels.ar_step(self.parts, plan, slots, masks)
+
+    def _widen(self, width: int) -> None:
+        """Room for ``width`` stop ids per slot (captured graphs hold the old buffer: forget them)."""
+        if width > self.state.stop_ids.shape[1]:
+            self.state.widen(width)
+            self.graphs.clear()
+
+    def reset(self) -> None:
+        """Every slot empty and dead."""
+        self.state.reset()
+        self.cache.reset()

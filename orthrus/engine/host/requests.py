@@ -1,0 +1,45 @@
+"""The engine's host record of one request: its prompt, parameters, seed and bookkeeping."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orthrus.engine.outputs import FinishReason, RequestOutput, TokenLogprobs
+from orthrus.params import RowStats, SamplingParams
+
+
+@dataclass
+class Request:
+    """The engine's host-side record of one request (mutable bookkeeping, never shared)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    slot: int = -1                   # -1 while waiting
+    abort: bool = False              # abort_request was called; freed at the next step
+    scanned: int = 0                 # generated tokens already searched for stop strings
+    prompt_ids: np.ndarray = field(init=False, repr=False)   # the prompt as int64 (prefix cache lookups)
+    prefix_hashes: list[int] | None = field(default=None, repr=False)   # its block hashes, once admitted
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
+
+    def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
+               stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None,
+               error: str | None = None) -> RequestOutput:
+        """This request's result, timed now (``logprobs`` aligned with ``token_ids``; none given for
+        a request that asked for them means no tokens)."""
+        now = time.perf_counter()
+        admitted = self.admitted if self.admitted is not None else now
+        k = self.params.logprobs
+        if k is not None and logprobs is None:
+            logprobs = TokenLogprobs([], [] if k > 0 else None)
+        lp = {} if k is None else dict(token_logprobs=logprobs.token, top_logprobs=logprobs.top,
+                                       cumulative_logprob=logprobs.cumulative)
+        return RequestOutput(self.request_id, token_ids, reason.label, stop_reason, stats, self.seed, text,
+                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, error=error, **lp)

@@ -1,0 +1,213 @@
+"""Scheduler: the host side of the engine — the request queue, the slot table, what each step does.
+
+``schedule()`` decides a step: which slots the device must mark dead (rows the host ended), which
+waiting requests are seated (``admission.py``), the block size of the iteration over the live rows
+(the mode, or the "auto" policy, ``policy.py``) and which rows only need their first token read.
+``update(step, output)`` folds the step's one read into the slot table, advances the grammar
+matchers, scans stop strings and returns the requests that finished. Host only: numpy and Python,
+no torch. Per-row Python runs only over rows that are admitted or finish (events) and over rows
+with stop strings or grammars, never over every row every step.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from orthrus.engine.host.admission import admit, plan_prompts, slot_params
+from orthrus.engine.host.grammar import SlotGrammars
+from orthrus.engine.host.policy import SpeculationPolicy, halving_block_sizes
+from orthrus.engine.host.prefix_cache import PrefixIndex
+from orthrus.engine.host.requests import Request
+from orthrus.engine.host.slot_table import SlotTable
+from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
+from orthrus.engine.outputs import EngineStats, FinishReason, RequestOutput
+from orthrus.engine.step import AR, Admission, Iteration, ScheduledStep, StepOutput
+from orthrus.params import RowStats
+
+
+class Scheduler:
+    """Requests, slots and the host bookkeeping of one engine (``capacity``: a slot's cache positions).
+
+    ``mode``: True (cycles of ``block_size``), False (AR steps) or "auto" (the policy's choice).
+    ``static_shapes``: the runner pads iterations with free slots (their old prompt K/V is then no
+    longer a prefix-cache source)."""
+
+    def __init__(self, num_slots: int, block_size: int, max_seq_len: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], grammars: SlotGrammars, stops: StopStringScanner | None,
+                 prefix_cache: bool, static_shapes: bool, mode: bool | str) -> None:
+        self.num_slots, self.block_size, self.max_seq_len, self.vocab_size = num_slots, block_size, max_seq_len, vocab_size
+        self.capacity = max_seq_len + block_size
+        self.eos_token_ids, self.grammars, self.stops, self.static_shapes = eos_token_ids, grammars, stops, static_shapes
+        self.mode: bool | str = mode
+        # The policy outlives requests: costs are a property of this engine on this device,
+        # acceptance of this model on this workload.
+        self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
+        # Slots (running, or free with intact K/V) by the prompt prefixes they hold: prefix_cache.py.
+        self.prefix_index = PrefixIndex() if prefix_cache else None
+        self.table = SlotTable(num_slots, block_size, max_seq_len, vocab_size)
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}       # every unfinished request, by id
+        self.stats = EngineStats()
+        self._done: list[RequestOutput] = []        # finished outside an iteration (aborted): next update
+        self._aborted_slots: list[int] = []         # running requests aborted: released next schedule
+        self._ended: list[int] = []                 # slots the host ended whose rows the device still runs
+
+    def add(self, req: Request) -> None:
+        """Queue a checked request (its id is unused)."""
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """End a waiting or running request (returned once by the next update). Unknown ids: no-op."""
+        req = self.requests.get(request_id)
+        if req is None or req.abort:
+            return
+        req.abort = True
+        if req.slot >= 0:
+            self._aborted_slots.append(req.slot)
+        else:
+            self.waiting.remove(req)
+            del self.requests[request_id]
+            self._done.append(req.output([], FinishReason.ABORT, None, RowStats(0, 0, 0, 0)))
+
+    def has_unfinished(self) -> bool:
+        """Requests are waiting, decoding, or finished and not yet returned."""
+        return bool(self.requests) or bool(self._done)
+
+    def reset(self) -> None:
+        """Drop every request and empty every slot (the policy and its measurements stay)."""
+        self.waiting.clear()
+        self.requests.clear()
+        self._done.clear()
+        self._aborted_slots.clear()
+        self._ended.clear()
+        if self.prefix_index is not None:
+            self.prefix_index.clear()
+        self.table = SlotTable(self.num_slots, self.block_size, self.max_seq_len, self.vocab_size)
+        self.grammars.reset()
+
+    def schedule(self) -> ScheduledStep:
+        """Decide one step: release aborted slots, seat waiting requests in free slots (FIFO), and
+        plan one iteration over the occupied slots that can still generate."""
+        for slot in self._aborted_slots:
+            self._done.append(self._output(slot, FinishReason.ABORT, None))
+        kill = np.asarray(self._ended + self._aborted_slots, dtype=np.int64)
+        self._ended, self._aborted_slots = [], []
+        adm = self._admit() if self.waiting and not self.table.busy_mask.all() else None
+        slots = self.table.occupied()
+        remaining = self.table.remaining(slots)
+        # (a constrained row's masks need its first token on the host: it sits its first step out;
+        # so does one whose grammar failed at admission, which ends at the update)
+        settle = (remaining <= 0) | self.grammars.awaiting_first(slots, self.table.count)
+        if self.grammars.failed:
+            settle |= np.isin(slots, list(self.grammars.failed))
+        live = slots[~settle]
+        it = self._iteration(live, int(remaining.max())) if len(live) else None
+        return ScheduledStep(kill, adm, it, slots[settle], self.table.logprobs.width(slots))
+
+    def _iteration(self, live: np.ndarray, remaining: int) -> Iteration:
+        """One cycle or AR step over the ``live`` rows (``remaining``: the most tokens any occupied row may still take)."""
+        chosen, paths = self._choose_block(len(live)), self.table.paths(live)
+        # A block longer than any row can still accept is wasted work. Capping it changes a sampled
+        # row's random draws (the draft block's length is part of them), so a seeded row would
+        # depend on its batch-mates' budgets; greedy rows are the same tokens at any block size,
+        # and "auto" already picks the size by occupancy.
+        block = _cap_block(chosen, remaining) if paths.all_greedy or self.mode == "auto" else chosen
+        constrained = self.grammars.any(live)
+        return Iteration(block, live, self.table.kv_len(live), paths,
+                         first_masks=self.grammars.first[live] if constrained else None,
+                         grammar=self.grammars if constrained else None,
+                         arm=chosen if self.mode == "auto" and block == chosen else None)   # a capped block measures no arm
+
+    def _choose_block(self, occupancy: int) -> int:
+        """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""
+        if self.mode != "auto":
+            return self.block_size if self.mode else AR
+        if self.policy is None:
+            self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
+        return self.policy.choose(occupancy)
+
+    def _admit(self) -> Admission:
+        """Seat waiting requests in free slots (FIFO) and plan their prefill, copying every prompt
+        prefix some slot holds (the prefix cache) instead of computing it."""
+        free = self.table.free_slots()
+        reqs = admit(self.waiting, free)
+        slots = free[: len(reqs)]
+        now = time.perf_counter()
+        for r in reqs:
+            r.admitted = now
+        self.table.admit(slots, reqs)
+        masks = self.grammars.admit(slots, [r.params.structured for r in reqs])
+        prompts = plan_prompts(slots, reqs, self.prefix_index, self.capacity)
+        if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
+            for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
+                self.prefix_index.add(slot, r.prompt_ids, r.prefix_hashes)
+        held = sum(len(r.prompt) for r in reqs) - prompts.computed
+        self.stats += EngineStats(admitting_steps=1, prefill_tokens=prompts.computed, prefix_cache_hit_tokens=held)
+        return Admission(slots, np.asarray([len(r.prompt) for r in reqs], dtype=np.int64),
+                         slot_params(reqs, self.eos_token_ids), prompts.stages, masks, self.table.prefill_paths(slots),
+                         self.table.logprobs.width(slots))
+
+    def update(self, step: ScheduledStep, out: StepOutput) -> list[RequestOutput]:
+        """Fold a step's read into the host book → the requests that finished (rows the host ends
+        here, by a stop string or a failed grammar, are marked dead by the next step)."""
+        done, self._done = self._done, []
+        if out.packed is None:
+            return done
+        it, rows = step.iteration, step.rows
+        if it is not None:
+            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots))
+            self.table.ran_dead[it.slots[~out.packed.alive[: len(it.slots)]]] = True
+        rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
+        if self.grammars.any(rows):
+            self.grammars.advance(rows, self.table.generated)
+        if it is not None and it.arm is not None:
+            self.policy.observe(it.arm, len(it.slots), time.perf_counter() - out.started, rec.tokens, rec.live)
+        ended = dict(zip(rec.finished.tolist(), rec.reasons.tolist()))  # SYNC: none (host numpy)
+        hits = self._scan_stops(rows)
+        failed = self.grammars.take_failed()      # rows whose own grammar failed: they end in error
+        for s in failed:
+            hits.pop(s, None)
+        self._ended += [s for s in (*hits, *failed) if s not in ended]
+        return done + [self._output(s, FinishReason.ERROR, None, failed[s]) if s in failed else
+                       self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
+                       for s in sorted(set(ended) | set(hits) | set(failed))]
+
+    def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
+        """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
+        hits: dict[int, StopHit] = {}
+        for slot in slots[self.table.has_stops[slots]].tolist():  # SYNC: none (host numpy)
+            req, tokens = self.table.requests[slot], self.table.generated(slot)
+            if len(tokens) > req.scanned:
+                hit = self.stops.scan(tokens, req.scanned, req.params.stop)
+                req.scanned = len(tokens)
+                if hit is not None:
+                    hits[slot] = hit
+        return hits
+
+    def _output(self, slot: int, reason: FinishReason, hit: StopHit | None, error: str | None = None) -> RequestOutput:
+        """Free ``slot`` and build its request's output (``error``: why it ended in error)."""
+        rel = self.table.release(slot, *((hit.keep, hit.end) if hit else ()))
+        req, tokens = rel.request, rel.tokens
+        lp = self.table.logprobs.release(slot, len(tokens))
+        del self.requests[req.request_id]
+        self.grammars.release(slot)
+        # A freed slot keeps its prompt's K/V for later requests sharing a prefix of it, unless
+        # something may write there: a static-shape iteration pads with free slots, and a row that
+        # died at its prefill ran one dead iteration, which writes at the start of its slot.
+        if self.prefix_index is not None and (self.static_shapes or self.table.ran_dead[slot]):
+            self.prefix_index.remove(slot)
+        if hit is not None:
+            return req.output(tokens, FinishReason.STOP, hit.stop, rel.stats, hit.text, lp)
+        stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
+        return req.output(tokens, reason, stop_reason, rel.stats, logprobs=lp, error=error)
+
+
+def _cap_block(block: int, remaining: int) -> int:
+    """A block never longer than the rows can still accept: a cycle of K emits at most K tokens, so
+    with at most ``remaining`` left anywhere K shrinks to it (an AR step when one token is left)."""
+    if block == AR or remaining >= block:
+        return block
+    return remaining if remaining >= 2 else AR

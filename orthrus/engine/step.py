@@ -1,0 +1,158 @@
+"""The records of the engine's host/device seam, one step at a time (numpy only, no torch):
+
+    Scheduler.schedule() -> ScheduledStep -> ModelRunner.execute(step) -> StepOutput
+                                          -> Scheduler.update(step, output) -> list[RequestOutput]
+
+A :class:`ScheduledStep` is everything the device does in one step, decided on the host: slots to
+mark dead first, an :class:`Admission` (new requests, their sampling parameters and how each
+prompt's K/V is obtained), an :class:`Iteration` (one speculative cycle or AR step over the live
+rows) and the rows that finished at their prefill and only need packing. Shapes: ``n`` rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from orthrus.engine.packed import Packed
+
+AR = 0   # block size of a plain AR step
+
+
+def occupancy_bucket(n: int) -> int:
+    """The next power of two of ``n`` (at least 1): the speculation policy's occupancy bucket and a
+    static iteration's padded row count, the same numbers so that what the policy measures at a
+    bucket is the work a static iteration does there."""
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class SamplingPaths:
+    """The sampling fast paths rows allow (host-known, part of a CUDA graph's key)."""
+
+    filtered: bool      # some row samples with top-k or top-p
+    all_greedy: bool    # every row decodes by argmax
+    min_tokens: bool = False   # some row may not stop yet (its min_tokens): mask its stop ids
+
+
+@dataclass(frozen=True)
+class SlotParams:
+    """Admitted rows' sampling parameters, seeds and stop ids (``[n]``; ``stop_ids [n, S]``, -1 padded)."""
+
+    stop_ids: np.ndarray
+    seed: np.ndarray
+    max_new: np.ndarray
+    min_new: np.ndarray       # no stop id before this many generated tokens (min_tokens)
+    top_k: np.ndarray
+    temperature: np.ndarray   # float64
+    top_p: np.ndarray         # float64
+    greedy: np.ndarray        # bool
+
+
+@dataclass(frozen=True)
+class PromptCopy:
+    """Copy the first ``length`` prompt positions of slot ``src`` into slot ``dst``; ``whole``: the
+    source holds this very prompt (its last hidden state is copied too)."""
+
+    src: int
+    dst: int
+    length: int
+    whole: bool
+
+
+@dataclass(frozen=True)
+class PromptRest:
+    """Compute ``rest`` (the prompt's tokens from position ``start``) into ``slot``."""
+
+    slot: int
+    start: int
+    rest: np.ndarray
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One prefill stage: copies, then padded forwards (each a group of rows, longest rest first)."""
+
+    copies: tuple[PromptCopy, ...]
+    forwards: tuple[tuple[PromptRest, ...], ...]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Requests seated in ``slots [n]`` this step: prompt lengths, parameters, the prefill stages,
+    and the grammar masks of their first tokens ``first_masks [n, W]`` (None: none is constrained)."""
+
+    slots: np.ndarray
+    prompt_lens: np.ndarray
+    params: SlotParams
+    stages: tuple[StagePlan, ...]
+    first_masks: np.ndarray | None
+    paths: SamplingPaths
+    logprobs: int | None        # top-k width of the first tokens' logprobs (None: no row asked)
+
+
+class DraftMasks(Protocol):
+    """The host oracle of a constrained cycle's masks along its drafts (the grammar matchers)."""
+
+    words: int
+
+    def path(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+        """Masks ``[n, K, W]`` int32 for the K verify positions of ``rows`` given ``drafts [n, K-1]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One cycle of ``block`` (or an AR step, ``AR``) over the live rows ``slots [n]``.
+
+    ``kv_len``: host-known bound on the keys a row can see. ``first_masks [n, W]`` and ``grammar``:
+    only when some row is constrained. ``arm``: the block size the speculation policy measures with
+    this iteration's time (None: a block the policy did not choose as is)."""
+
+    block: int
+    slots: np.ndarray
+    kv_len: int
+    paths: SamplingPaths
+    first_masks: np.ndarray | None = None
+    grammar: DraftMasks | None = None
+    arm: int | None = None
+
+    @property
+    def width(self) -> int:
+        """Emitted-token columns of its packed result."""
+        return self.block if self.block != AR else 1
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """Everything the device does in one step, in this order: ``kill`` (rows the host ended: aborted,
+    a stop string, a failed grammar), ``admission``, ``iteration``, then pack ``settled`` (rows done
+    at their prefill) beside the iteration's rows in the one read. ``logprobs``: the read's top-k
+    width, the iteration's and the settled rows' (None: no row asked)."""
+
+    kill: np.ndarray
+    admission: Admission | None
+    iteration: Iteration | None
+    settled: np.ndarray
+    logprobs: int | None
+
+    @property
+    def reads(self) -> bool:
+        """Whether the step reads anything back (an iteration, or rows to settle)."""
+        return self.iteration is not None or len(self.settled) > 0
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The slots of the packed result's rows, in order: the iteration's, then the settled."""
+        live = self.iteration.slots if self.iteration is not None else self.settled[:0]
+        return np.concatenate([live, self.settled]) if len(self.settled) else live
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step read back: the packed rows of ``ScheduledStep.rows`` (None: nothing was read),
+    and when the iteration started (``time.perf_counter``), for the speculation policy."""
+
+    packed: Packed | None
+    started: float

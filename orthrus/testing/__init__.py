@@ -1,0 +1,1 @@
+"""Tools for tests and benchmarks (not used by the engine): counting host syncs."""
