@@ -12,7 +12,7 @@ OpenAI ``response_format`` users already know):
 Here the shape is checked and the constraint normalised to a hashable :class:`Constraint` (the key
 of the engine's compiled-grammar cache, so two rows with the same schema compile it once); whether
 the schema, pattern or grammar itself is valid is found when the engine compiles it for the
-tokenizer (``engine/grammar.py``), and is then that request's ``ValueError``.
+tokenizer (``engine/host/grammar.py``), and is then that request's ``ValueError``.
 """
 from __future__ import annotations
 
