@@ -28,13 +28,14 @@ class PartTimer:
             return self._time("draft_forward" if diffusion else "verify_forward", forward, args, kwargs)
         self._patch(model, "forward_cached", timed_forward)
         self._wrap(model, "logits", "lm_head")
-        self._wrap(engine.runner, "prefill", "prefill")
-        self._wrap(engine.grammars, "path", "host_masks_along_drafts")
-        self._wrap(engine.grammars, "advance", "host_matcher_advance")
-        self._wrap(engine.grammars, "admit", "host_matcher_admit")
-        constrain = decode.constrain
-        decode.constrain = lambda *a, **k: self._time("device_masking", constrain, a, k)
-        self._undo.append(lambda: setattr(decode, "constrain", constrain))
+        grammars = engine.scheduler.grammars
+        self._wrap(grammars, "path", "host_masks_along_drafts")
+        self._wrap(grammars, "advance", "host_matcher_advance")
+        self._wrap(grammars, "admit", "host_matcher_admit")
+        for attr, name in (("prefill", "prefill"), ("constrain", "device_masking")):
+            fn = getattr(decode, attr)         # module functions the runner calls through ``kernels``
+            setattr(decode, attr, lambda *a, _fn=fn, _name=name, **k: self._time(_name, _fn, a, k))
+            self._undo.append(lambda _attr=attr, _fn=fn: setattr(decode, _attr, _fn))
 
     def _patch(self, obj, attr: str, fn: Callable) -> None:
         """``obj.attr = fn`` on the instance until ``restore`` (which puts back what it had, or nothing)."""
