@@ -35,6 +35,13 @@ class SamplingParams:
     so under speculation a draft that is one is rejected and the output is still exact. Stop strings
     still apply. It cannot be combined with ``structured`` (a complete grammar may allow only EOS).
 
+    ``max_thinking_tokens``: None = unbounded; N = once a request in its reasoning phase (see
+    ``orthrus/reasoning.py``) has generated N tokens without the think end, the think end and the
+    chat template's separator are forced (the target at those positions is that one token), then the
+    answer begins. Exact under speculation: it equals plain AR decoding with the same intervention,
+    and drafts past the forced position are rejected. Requests without a reasoning phase ignore it.
+    Not yet combinable with ``structured`` (the grammar would apply from the first thinking token).
+
     ``structured``: None, or exactly one of ``{"json_schema": ...}``, ``{"regex": ...}``,
     ``{"choice": [...]}``, ``{"grammar": ...}`` (``constraints.py``; stored as a ``Constraint``). The
     row then samples from the model's distribution restricted to the tokens the grammar allows next,
@@ -53,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None      # None: off; 0: the token's log-probability; k: also the top k
     structured: Constraint | None = None   # given as {kind: value}; normalised in __post_init__
     min_tokens: int = 0              # no stop token before this many generated tokens
+    max_thinking_tokens: int | None = None   # force the think end after this many reasoning tokens
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -89,6 +97,14 @@ class SamplingParams:
         if self.structured is not None and self.min_tokens:
             raise ValueError("SamplingParams.min_tokens cannot be combined with structured: a complete grammar "
                              "may allow only EOS, which min_tokens forbids")
+        if self.max_thinking_tokens is not None and not (
+                isinstance(self.max_thinking_tokens, int) and not isinstance(self.max_thinking_tokens, bool)
+                and self.max_thinking_tokens >= 0):
+            raise ValueError(f"SamplingParams.max_thinking_tokens must be None or an int >= 0, "
+                             f"got {self.max_thinking_tokens!r}")
+        if self.structured is not None and self.max_thinking_tokens is not None:
+            raise ValueError("SamplingParams.max_thinking_tokens cannot be combined with structured yet: the "
+                             "grammar applies from the first generated token, thinking included")
         if self.structured is not None and (self.stop or self.stop_token_ids):
             which = "stop" if self.stop else "stop_token_ids"
             raise ValueError(f"SamplingParams.{which} cannot be combined with structured: a constrained row "

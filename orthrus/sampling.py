@@ -215,3 +215,24 @@ def forbid_early_stops(logits: torch.Tensor, stop_ids: torch.Tensor, produced: t
     idx = ids[:, None, :].expand(-1, logits.shape[1], -1)                                 # [b, T, S]
     vals = torch.where(early[..., None], float("-inf"), logits.gather(-1, idx))
     return logits.scatter(-1, idx, vals)
+
+
+def force_reasoning_end(logits: torch.Tensor, drafts: torch.Tensor | None, produced: torch.Tensor,
+                        think_at: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """``logits [b, T, V]`` with a spent thinking budget's tokens forced: position t holds token
+    ``produced [b] + t``; where that is ``think_at [b] + i`` (-1: no budget pending) for ``i`` below
+    ``len(forced [m])`` (the think end, then the separator), only ``forced[i]`` is allowed, unless a
+    think end came earlier among ``drafts [b, T-1]`` (the verify inputs after the anchor; None for one
+    position). The target becomes one token there, so any other draft is rejected (exact). A copy."""
+    b, t = logits.shape[:2]
+    pos = produced[:, None] + torch.arange(t, device=logits.device)[None, :]          # [b, T]
+    offset = pos - think_at[:, None]
+    pending = (think_at[:, None] >= 0) & (offset >= 0) & (offset < forced.shape[0])
+    if drafts is not None and t > 1:
+        # A think end drafted before the budget closes the phase for the positions after it.
+        early = (drafts == forced[0]) & (pos[:, : t - 1] < think_at[:, None])         # [b, T-1]
+        closed = torch.cat([torch.zeros_like(early[:, :1]), early.cumsum(1) > 0], 1)  # [b, T]
+        pending = pending & ~closed
+    token = forced[offset.clamp(0, forced.shape[0] - 1)]                              # [b, T]
+    only = torch.full_like(logits, float("-inf")).scatter(-1, token[..., None], 0.0)
+    return torch.where(pending[..., None], only, logits)

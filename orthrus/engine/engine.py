@@ -32,6 +32,7 @@ from orthrus.model.backends import AttentionBackend
 from orthrus.model.cache import RaggedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 from orthrus.params import SamplingParams
+from orthrus.reasoning import ReasoningTokens
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
@@ -57,7 +58,9 @@ class OrthrusEngine:
     ``speculative``: True (Orthrus cycles of ``block_size``), False (plain AR, the baseline) or
     ``"auto"`` (per iteration, the block size K, K/2, … or AR step measured fastest at the current
     occupancy; see ``host/policy.py``). ``tokenizer``: needed for requests with stop strings or
-    structured output. ``prefix_cache``: a prompt that starts like one a slot holds copies that K/V
+    structured output. ``reasoning``: the think tokens whose phases requests are tracked by (True:
+    the tokenizer's, if it has any; False: none), for ``RequestOutput.num_reasoning_tokens`` and
+    ``SamplingParams.max_thinking_tokens`` (``orthrus/reasoning.py``). ``prefix_cache``: a prompt that starts like one a slot holds copies that K/V
     instead of computing it (``host/prefix_cache.py``); lossless; off only to measure it.
 
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
@@ -67,7 +70,8 @@ class OrthrusEngine:
                  max_seq_len: int | None = None, proposer: Proposer | None = None,
                  attention: str | AttentionBackend = "auto",
                  static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
-                 key_bucket: int | None = None, prefix_cache: bool = True) -> None:
+                 key_bucket: int | None = None, prefix_cache: bool = True,
+                 reasoning: ReasoningTokens | bool = True) -> None:
         cfg = model.config
         _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
@@ -78,8 +82,10 @@ class OrthrusEngine:
         self.max_batch_size = max_batch_size
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids: tuple[int, ...] = model.eos_token_ids
+        self.reasoning = _reasoning_tokens(reasoning, tokenizer)
         self.runner = ModelRunner.create(model, max_batch_size, self.block_size, self.max_seq_len, attention,
-                                         static_shapes, key_bucket, proposer, len(self.eos_token_ids) + 8)
+                                         static_shapes, key_bucket, proposer, len(self.eos_token_ids) + 8,
+                                         self.reasoning.forced if self.reasoning else ())
         # Read-only copies of the runner's choices (it never changes them), for callers and reports.
         self.device = self.runner.cache.lengths.device
         self.attention = self.runner.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
@@ -112,7 +118,9 @@ class OrthrusEngine:
         if rid in self.scheduler.requests:
             raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.scheduler.add(Request(rid, [int(t) for t in prompt_token_ids], params, seed))
+        prompt = [int(t) for t in prompt_token_ids]
+        reasoning = self.reasoning if self.reasoning and self.reasoning.opens_reasoning(prompt) else None
+        self.scheduler.add(Request(rid, prompt, params, seed, reasoning=reasoning))
         return rid
 
     def abort_request(self, request_id: str) -> None:
@@ -231,3 +239,12 @@ def _check_sizes(max_batch_size: int, block_size: int, max_seq_len: int, attenti
 def _check_mode(speculative: bool | str) -> None:
     if speculative not in SPECULATIVE_MODES or not isinstance(speculative, (bool, str)):
         raise ValueError(f"speculative must be True, False or 'auto', got {speculative!r}")
+
+
+def _reasoning_tokens(reasoning: ReasoningTokens | bool, tokenizer) -> ReasoningTokens | None:
+    """The think tokens requests' reasoning phases are tracked with: given, the tokenizer's (True), or none."""
+    if isinstance(reasoning, ReasoningTokens):
+        return reasoning
+    if not isinstance(reasoning, bool):
+        raise ValueError(f"reasoning must be a ReasoningTokens or a bool, got {reasoning!r}")
+    return ReasoningTokens.from_tokenizer(tokenizer) if reasoning and tokenizer is not None else None

@@ -66,6 +66,9 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None         # why a row ended with finish_reason "error" (its own failure)
+    # Reasoning requests (``orthrus/reasoning.py``): generated tokens up to and including the think
+    # end, all of them if it never came; None for a request without a reasoning phase.
+    num_reasoning_tokens: int | None = None
 
 
 # The result type of ``generate`` (kept for callers of the one-shot API).

@@ -34,6 +34,7 @@ class SamplingPaths:
     filtered: bool      # some row samples with top-k or top-p
     all_greedy: bool    # every row decodes by argmax
     min_tokens: bool = False   # some row may not stop yet (its min_tokens): mask its stop ids
+    thinking: bool = False     # some row's thinking budget may force tokens: track its think end
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class SlotParams:
     seed: np.ndarray
     max_new: np.ndarray
     min_new: np.ndarray       # no stop id before this many generated tokens (min_tokens)
+    think_at: np.ndarray      # generated index where a spent thinking budget forces the think end (-1: none)
     top_k: np.ndarray
     temperature: np.ndarray   # float64
     top_p: np.ndarray         # float64

@@ -19,7 +19,7 @@ from orthrus.engine.outputs import FinishReason
 from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import RaggedKVCache
-from orthrus.sampling import accept, forbid_early_stops, greedy_accept, process, sample
+from orthrus.sampling import accept, forbid_early_stops, force_reasoning_end, greedy_accept, process, sample
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
@@ -52,12 +52,25 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
 
 
 def _target(logits: torch.Tensor, st: SlotState, slots: torch.Tensor, paths: SamplingPaths,
-            produced: torch.Tensor) -> torch.Tensor:
+            produced: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
     """The AR logits ``[b, T, V]`` the target distribution comes from: stop ids forbidden where a
-    row has generated fewer than its ``min_tokens`` (only when some row may, host-known)."""
-    if not paths.min_tokens:
-        return logits
-    return forbid_early_stops(logits, st.stop_ids[slots], produced, st.min_new[slots])
+    row has generated fewer than its ``min_tokens``, and a spent thinking budget's tokens forced
+    (each only when some row may, host-known). ``drafts [b, T-1]``: the verify inputs after the anchor."""
+    if paths.min_tokens:
+        logits = forbid_early_stops(logits, st.stop_ids[slots], produced, st.min_new[slots])
+    if paths.thinking:
+        logits = force_reasoning_end(logits, drafts, produced, st.think_at[slots], st.forced_thinking)
+    return logits
+
+
+def _close_thinking(st: SlotState, slots: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
+                    produced: torch.Tensor) -> None:
+    """A think end committed before a row's budget position ends its phase: nothing is forced after
+    it. ``emitted [b, W]`` (the first ``n_emit`` kept) hold tokens ``produced [b]`` onwards."""
+    i = torch.arange(emitted.shape[1], device=emitted.device)[None, :]
+    think_at = st.think_at[slots]
+    early = (emitted == st.forced_thinking[0]) & (i < n_emit[:, None]) & (produced[:, None] + i < think_at[:, None])
+    st.think_at[slots] = torch.where(early.any(-1), -1, think_at)
 
 
 def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: int | None) -> None:
@@ -78,6 +91,8 @@ def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: 
     st.out_count.index_fill_(0, slots, 0)   # index_fill_: a scalar as a kernel argument (testing/host_syncs.py)
     st.counter.index_fill_(0, slots, 0)
     n_emit, reason = stop_cut(first[:, None], torch.zeros_like(row_lens), st, slots, dev.max_seq_len)
+    if paths.thinking:
+        _close_thinking(st, slots, first[:, None], n_emit, torch.zeros_like(row_lens))
     st.out_count[slots] = n_emit
     st.anchor[slots] = first
     st.first[slots] = first
@@ -97,13 +112,15 @@ def _write_offsets(cache: RaggedKVCache, st: SlotState, slots: torch.Tensor) -> 
 
 
 def _commit(dev: DeviceParts, slots: torch.Tensor, emitted: torch.Tensor, n_acc: torch.Tensor, nxt: torch.Tensor,
-            lp_block: torch.Tensor | None) -> torch.Tensor:
+            lp_block: torch.Tensor | None, paths: SamplingPaths) -> torch.Tensor:
     """Apply one cycle's outcome to live rows (crop = length update) and pack it for the host, with
     the iteration's logprob block (``logprobs.block``, computed before the commit) if there is one."""
     st, cache = dev.state, dev.cache
     alive = st.alive[slots]
     n_emit, reason = stop_cut(emitted, n_acc, st, slots, dev.max_seq_len)
     n_emit = n_emit * alive
+    if paths.thinking:
+        _close_thinking(st, slots, emitted, n_emit, st.out_count[slots])
     cache.lengths[slots] += (n_acc + 1) * alive
     st.out_count[slots] += n_emit
     st.counter[slots] += alive.long()
@@ -126,7 +143,8 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
     the tokens the grammar allows after the drafts before it: a draft it refuses has probability 0
     and is rejected. The first draft comes from the masked proposal (its mask is known up front), the
     others from the unmasked one, and acceptance and residual use exactly those proposals. A row's
-    ``min_tokens`` restricts the target the same way (its stop ids, where it may not stop yet).
+    ``min_tokens`` restricts the target the same way (its stop ids, where it may not stop yet), and a
+    spent thinking budget to the one token it forces.
     """
     model, cache, backend, st, k = dev.model, dev.cache, dev.backend, dev.state, plan.block
     n = _write_offsets(cache, st, slots)                                      # [b]
@@ -146,7 +164,7 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
         p_logits = model.logits(model.forward_cached(torch.cat([anchor[:, None], drafts], 1), cache,
                                                      verify_view, diffusion=False, backend=backend))
         target = p_logits if masks is None else constrain(p_logits, masks.along())
-        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots]), q_logits)
+        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), q_logits)
     else:
         q = process(q_logits, sp)
         drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
@@ -156,14 +174,14 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
         hidden = model.forward_cached(block, cache, verify_view, diffusion=False, backend=backend)
         p_logits = model.logits(hidden)                                             # [b, K, V]
         target = p_logits if masks is None else constrain(p_logits, masks.along())
-        p = process(_target(target, st, slots, plan.paths, st.out_count[slots]), sp)
+        p = process(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), sp)
         verdict = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
                          rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
     drafts, n_acc, nxt = verdict.drafts, verdict.n_acc, verdict.next_token
     i = torch.arange(k, device=n.device)[None, :]
     emitted = torch.where(i < n_acc[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
     lp = None if plan.logprobs is None else logprobs.block(st, slots, p_logits, emitted, plan.logprobs)
-    return _commit(dev, slots, emitted, n_acc, nxt, lp)
+    return _commit(dev, slots, emitted, n_acc, nxt, lp, plan.paths)
 
 
 def ar_step(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
@@ -184,7 +202,7 @@ def ar_step(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
         p = process(masked, st.sampling(slots, plan.paths))
         nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
     lp = None if plan.logprobs is None else logprobs.block(st, slots, logits, nxt[:, None], plan.logprobs)
-    return _commit(dev, slots, nxt[:, None], torch.zeros_like(n), nxt, lp)
+    return _commit(dev, slots, nxt[:, None], torch.zeros_like(n), nxt, lp, plan.paths)
 
 
 def settle(dev: DeviceParts, slots: torch.Tensor, width: int, lp_width: int | None) -> torch.Tensor:

@@ -62,9 +62,10 @@ class ModelRunner:
     @classmethod
     def create(cls, model: OrthrusForCausalLM, num_slots: int, block_size: int, max_seq_len: int,
                attention: str | AttentionBackend, static_shapes: bool | None, key_bucket: int | None,
-               proposer: Proposer | None, stop_width: int) -> ModelRunner:
+               proposer: Proposer | None, stop_width: int, forced_thinking: tuple[int, ...] = ()) -> ModelRunner:
         """Allocate everything once: the cache (``max_seq_len`` plus one scratch block per slot),
-        the slot state, and the backend ``attention`` names ("auto" | "sdpa" | "flash") or is."""
+        the slot state, and the backend ``attention`` names ("auto" | "sdpa" | "flash") or is.
+        ``forced_thinking``: the tokens a spent thinking budget forces (the think end first; () none)."""
         cfg, param = model.config, next(model.parameters())
         device, attn = param.device, model.model.layers[0].self_attn
         cache = RaggedKVCache(cfg.num_hidden_layers, num_slots, attn.num_kv_heads, max_seq_len + block_size,
@@ -81,7 +82,7 @@ class ModelRunner:
         # measured 3.9-4.4x faster in AR steps with SDPA, at 1,056 and at 8,224 keys of capacity
         # (static SDPA reads a power-of-two key bound, graphs.key_bound, not the whole capacity).
         static = device.type == "cuda" if static_shapes is None else bool(static_shapes)
-        state = SlotState(num_slots, stop_width, device, cfg.hidden_size, param.dtype)
+        state = SlotState(num_slots, stop_width, device, cfg.hidden_size, param.dtype, forced_thinking)
         parts = DeviceParts(model, cache, attention, proposer or DiffusionProposer(model), state, max_seq_len)
         return cls(parts, static)
 

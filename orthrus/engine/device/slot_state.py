@@ -12,7 +12,7 @@ class SlotState:
     """Per-slot decoding state on the device, ``[B]`` (``stop_ids [B, S]``, padded with -1)."""
 
     def __init__(self, num_slots: int, stop_width: int, device: torch.device, hidden_size: int = 1,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, forced_thinking: tuple[int, ...] = ()) -> None:
         # Allocated once per engine: captured CUDA graphs hold these addresses (graphs.py).
         def z(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(num_slots, dtype=dtype, device=device)
@@ -21,6 +21,11 @@ class SlotState:
         self.reason, self.first = z(torch.long), z(torch.long) - 1
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float64), z(torch.float64) + 1
         self.greedy, self.alive = z(torch.bool), z(torch.bool)
+        # Thinking budgets: the generated index where a row's spent budget forces the think end (-1:
+        # none, or its phase ended earlier), and what is forced from there (the think end, then the
+        # chat template's separator; sampling.force_reasoning_end).
+        self.think_at = z(torch.long) - 1
+        self.forced_thinking = torch.tensor(forced_thinking or (0,), dtype=torch.long, device=device)
         self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
         # [B, E] the final hidden state at the prompt's last position: with the prompt's K/V (cache
         # positions < prompt_len, never overwritten while the row runs) it lets a later request with
@@ -45,6 +50,7 @@ class SlotState:
                   self.prompt_len, self.reason, self.top_k, self.temperature, self.greedy, self.alive):
             t.zero_()
         self.first.fill_(-1)
+        self.think_at.fill_(-1)
         self.top_p.fill_(1)
         self.stop_ids.fill_(-1)
 

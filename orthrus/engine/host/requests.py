@@ -8,6 +8,7 @@ import numpy as np
 
 from orthrus.engine.outputs import FinishReason, RequestOutput, TokenLogprobs
 from orthrus.params import RowStats, SamplingParams
+from orthrus.reasoning import ReasoningTokens
 
 
 @dataclass
@@ -25,9 +26,16 @@ class Request:
     scanned: int = 0                 # generated tokens already searched for stop strings
     prompt_ids: np.ndarray = field(init=False, repr=False)   # the prompt as int64 (prefix cache lookups)
     prefix_hashes: list[int] | None = field(default=None, repr=False)   # its block hashes, once admitted
+    reasoning: ReasoningTokens | None = None   # its think tokens, when its prompt opens a reasoning phase
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
+
+    @property
+    def think_at(self) -> int:
+        """The generated index where its spent thinking budget forces the think end (-1: none)."""
+        budget = self.params.max_thinking_tokens
+        return budget if self.reasoning is not None and budget is not None else -1
 
     def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
                stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None,
@@ -41,5 +49,7 @@ class Request:
             logprobs = TokenLogprobs([], [] if k > 0 else None)
         lp = {} if k is None else dict(token_logprobs=logprobs.token, top_logprobs=logprobs.top,
                                        cumulative_logprob=logprobs.cumulative)
+        thinking = None if self.reasoning is None else self.reasoning.reasoning_length(token_ids)
         return RequestOutput(self.request_id, token_ids, reason.label, stop_reason, stats, self.seed, text,
-                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, error=error, **lp)
+                             queue_seconds=admitted - self.arrival, engine_seconds=now - admitted, error=error,
+                             num_reasoning_tokens=thinking, **lp)

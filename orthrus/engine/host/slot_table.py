@@ -54,6 +54,7 @@ class SlotTable:
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
         self.limit = np.zeros(num_slots, dtype=np.int64)           # most tokens the row may generate
         self.min_new = np.zeros(num_slots, dtype=np.int64)         # no stop before this many (min_tokens)
+        self.forced_until = np.full(num_slots, -1, dtype=np.int64)  # last index a thinking budget may force
         self.greedy = np.zeros(num_slots, dtype=bool)
         self.filtered = np.zeros(num_slots, dtype=bool)            # sampled with top-k or top-p
         self.has_stops = np.zeros(num_slots, dtype=bool)           # has stop strings to scan for
@@ -84,7 +85,10 @@ class SlotTable:
 
     def _paths(self, slots: np.ndarray, produced: np.ndarray) -> SamplingPaths:
         early = self.min_new[slots] > produced        # the next token may not be a stop (min_tokens)
-        return SamplingPaths(bool(self.filtered[slots].any()), bool(self.greedy[slots].all()), bool(early.any()))
+        # A budget may still force tokens (conservative: the host does not look for an earlier think end).
+        forcing = self.forced_until[slots] >= produced
+        return SamplingPaths(bool(self.filtered[slots].any()), bool(self.greedy[slots].all()), bool(early.any()),
+                             bool(forcing.any()))
 
     def admit(self, slots: np.ndarray, requests: list[Request]) -> None:
         """Seat ``requests`` in ``slots`` with fresh counters."""
@@ -99,6 +103,8 @@ class SlotTable:
         self.limit[slots] = np.minimum([r.params.max_new_tokens for r in requests], self.capacity - self.prompt_len[slots])
         self.greedy[slots] = [r.params.greedy for r in requests]
         self.min_new[slots] = [r.params.min_tokens for r in requests]
+        self.forced_until[slots] = [r.think_at + len(r.reasoning.forced) - 1 if r.think_at >= 0 else -1
+                                    for r in requests]
         self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
                                 for r in requests]
         self.has_stops[slots] = [bool(r.params.stop) for r in requests]
