@@ -40,13 +40,14 @@ class SamplingParams:
     chat template's separator are forced (the target at those positions is that one token), then the
     answer begins. Exact under speculation: it equals plain AR decoding with the same intervention,
     and drafts past the forced position are rejected. Requests without a reasoning phase ignore it.
-    Not yet combinable with ``structured`` (the grammar would apply from the first thinking token).
+    With ``structured``, only the think end is forced: the grammar decides every answer token.
 
     ``structured``: None, or exactly one of ``{"json_schema": ...}``, ``{"regex": ...}``,
     ``{"choice": [...]}``, ``{"grammar": ...}`` (``constraints.py``; stored as a ``Constraint``). The
     row then samples from the model's distribution restricted to the tokens the grammar allows next,
     renormalised (the grammar mask applies to the logits before temperature/top-k/top-p), and ends
-    "stop" only where the grammar is complete. Stop strings and extra stop token ids cannot be
+    "stop" only where the grammar is complete. A request in a reasoning phase thinks freely first
+    (any token but EOS); its grammar applies from the token after its think end. Stop strings and extra stop token ids cannot be
     combined with it: they could end a row mid-record and report it as stopped.
     """
 
@@ -102,9 +103,6 @@ class SamplingParams:
                 and self.max_thinking_tokens >= 0):
             raise ValueError(f"SamplingParams.max_thinking_tokens must be None or an int >= 0, "
                              f"got {self.max_thinking_tokens!r}")
-        if self.structured is not None and self.max_thinking_tokens is not None:
-            raise ValueError("SamplingParams.max_thinking_tokens cannot be combined with structured yet: the "
-                             "grammar applies from the first generated token, thinking included")
         if self.structured is not None and (self.stop or self.stop_token_ids):
             which = "stop" if self.stop else "stop_token_ids"
             raise ValueError(f"SamplingParams.{which} cannot be combined with structured: a constrained row "

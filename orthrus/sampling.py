@@ -218,16 +218,16 @@ def forbid_early_stops(logits: torch.Tensor, stop_ids: torch.Tensor, produced: t
 
 
 def force_reasoning_end(logits: torch.Tensor, drafts: torch.Tensor | None, produced: torch.Tensor,
-                        think_at: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+                        think_at: torch.Tensor, span: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
     """``logits [b, T, V]`` with a spent thinking budget's tokens forced: position t holds token
     ``produced [b] + t``; where that is ``think_at [b] + i`` (-1: no budget pending) for ``i`` below
-    ``len(forced [m])`` (the think end, then the separator), only ``forced[i]`` is allowed, unless a
+    ``span [b]`` (at most ``len(forced [m])``: the think end, then the separator), only ``forced[i]`` is allowed, unless a
     think end came earlier among ``drafts [b, T-1]`` (the verify inputs after the anchor; None for one
     position). The target becomes one token there, so any other draft is rejected (exact). A copy."""
     b, t = logits.shape[:2]
     pos = produced[:, None] + torch.arange(t, device=logits.device)[None, :]          # [b, T]
     offset = pos - think_at[:, None]
-    pending = (think_at[:, None] >= 0) & (offset >= 0) & (offset < forced.shape[0])
+    pending = (think_at[:, None] >= 0) & (offset >= 0) & (offset < span[:, None])
     if drafts is not None and t > 1:
         # A think end drafted before the budget closes the phase for the positions after it.
         early = (drafts == forced[0]) & (pos[:, : t - 1] < think_at[:, None])         # [b, T-1]

@@ -92,7 +92,8 @@ class OrthrusEngine:
         self.static_shapes = self.runner.static_shapes
         self.speculative = speculative
         # Grammar matchers of constrained rows (host); structured output needs the tokenizer's bytes.
-        grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size)
+        grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size,
+                                self.reasoning.end if self.reasoning else None)
         self.checks = RequestChecks(self.vocab_size, self.max_seq_len, tokenizer is not None, grammars)
         self.scheduler = Scheduler(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size,
                                    self.eos_token_ids, grammars, StopStringScanner(tokenizer) if tokenizer else None,

@@ -46,6 +46,7 @@ class SlotParams:
     max_new: np.ndarray
     min_new: np.ndarray       # no stop id before this many generated tokens (min_tokens)
     think_at: np.ndarray      # generated index where a spent thinking budget forces the think end (-1: none)
+    think_span: np.ndarray    # how many tokens it forces from there (the think end, then the separator)
     top_k: np.ndarray
     temperature: np.ndarray   # float64
     top_p: np.ndarray         # float64

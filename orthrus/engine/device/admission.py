@@ -11,7 +11,7 @@ from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.step import Admission, SlotParams, StagePlan
 
-_PARAMS = ("stop_ids", "seed", "max_new", "min_new", "think_at", "top_k", "temperature", "top_p", "greedy")
+_PARAMS = ("stop_ids", "seed", "max_new", "min_new", "think_at", "think_span", "top_k", "temperature", "top_p", "greedy")
 
 
 def _ints(xs: list[int]) -> np.ndarray:

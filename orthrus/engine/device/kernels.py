@@ -59,7 +59,8 @@ def _target(logits: torch.Tensor, st: SlotState, slots: torch.Tensor, paths: Sam
     if paths.min_tokens:
         logits = forbid_early_stops(logits, st.stop_ids[slots], produced, st.min_new[slots])
     if paths.thinking:
-        logits = force_reasoning_end(logits, drafts, produced, st.think_at[slots], st.forced_thinking)
+        logits = force_reasoning_end(logits, drafts, produced, st.think_at[slots], st.think_span[slots],
+                                     st.forced_thinking)
     return logits
 
 

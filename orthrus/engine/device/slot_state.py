@@ -22,9 +22,9 @@ class SlotState:
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float64), z(torch.float64) + 1
         self.greedy, self.alive = z(torch.bool), z(torch.bool)
         # Thinking budgets: the generated index where a row's spent budget forces the think end (-1:
-        # none, or its phase ended earlier), and what is forced from there (the think end, then the
-        # chat template's separator; sampling.force_reasoning_end).
-        self.think_at = z(torch.long) - 1
+        # none, or its phase ended earlier), how many tokens it forces, and which (the think end, then
+        # the chat template's separator; sampling.force_reasoning_end).
+        self.think_at, self.think_span = z(torch.long) - 1, z(torch.long)
         self.forced_thinking = torch.tensor(forced_thinking or (0,), dtype=torch.long, device=device)
         self.stop_ids = torch.full((num_slots, max(stop_width, 1)), -1, dtype=torch.long, device=device)
         # [B, E] the final hidden state at the prompt's last position: with the prompt's K/V (cache
@@ -46,7 +46,7 @@ class SlotState:
 
     def reset(self) -> None:
         """Every slot empty and dead, in place (a prefill sets all of a slot's fields)."""
-        for t in (self.anchor, self.seed, self.counter, self.out_count, self.max_new, self.min_new,
+        for t in (self.anchor, self.seed, self.counter, self.out_count, self.max_new, self.min_new, self.think_span,
                   self.prompt_len, self.reason, self.top_k, self.temperature, self.greedy, self.alive):
             t.zero_()
         self.first.fill_(-1)

@@ -44,7 +44,8 @@ def slot_params(reqs: list[Request], eos_token_ids: tuple[int, ...]) -> SlotPara
     ps = [r.params for r in reqs]
     ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
     return SlotParams(stop_ids=stops, seed=ints([r.seed for r in reqs]), max_new=ints([p.max_new_tokens for p in ps]),
-                      min_new=ints([p.min_tokens for p in ps]), think_at=ints([r.think_at for r in reqs]), top_k=ints([p.top_k for p in ps]),
+                      min_new=ints([p.min_tokens for p in ps]), think_at=ints([r.think_at for r in reqs]),
+                      think_span=ints([r.think_span for r in reqs]), top_k=ints([p.top_k for p in ps]),
                       temperature=np.asarray([p.temperature for p in ps], dtype=np.float64),
                       top_p=np.asarray([p.top_p for p in ps], dtype=np.float64),
                       greedy=np.asarray([p.greedy for p in ps], dtype=bool))

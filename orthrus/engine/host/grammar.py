@@ -126,11 +126,17 @@ class SlotGrammars:
     A slot's matcher has consumed exactly the tokens the host has recorded for its row
     (``consumed``); ``first[slot]`` is the mask after them, the one the row's next iteration needs
     before it starts (unconstrained slots keep all-ones).
+
+    A constrained row in its reasoning phase (``thinking``) writes free text, EOS excluded, until
+    its think end; its grammar starts at the token after it, from its start state (vLLM's and
+    SGLang's rule). ``consumed`` then counts the reasoning tokens too.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], num_slots: int) -> None:
-        """``tokenizer``: the engine's (an HF tokenizer), or None: then no request may be constrained."""
-        self._tokenizer, self._eos = tokenizer, tuple(eos_token_ids)
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], num_slots: int,
+                 think_end: int | None = None) -> None:
+        """``tokenizer``: the engine's (an HF tokenizer), or None: then no request may be constrained.
+        ``think_end``: the token that ends a reasoning phase (None: no request reasons)."""
+        self._tokenizer, self._eos, self.think_end = tokenizer, tuple(eos_token_ids), think_end
         self._compiler: GrammarCompiler | None = None    # built at the first constraint (~1 s at 151k tokens)
         self.vocab_size, self.words = vocab_size, words(vocab_size)
         self.matchers: list[llguidance.LLMatcher | None] = [None] * num_slots
@@ -139,6 +145,11 @@ class SlotGrammars:
         self.constrained = np.zeros(num_slots, dtype=bool)
         self.consumed = np.zeros(num_slots, dtype=np.int64)
         self.first = np.full((num_slots, self.words), -1, dtype=np.int32)     # [B, W]
+        self.thinking = np.zeros(num_slots, dtype=bool)     # constrained, and its grammar not started yet
+        # The mask of a reasoning position: any token but EOS (an answer must follow the thinking).
+        self.free = np.full(self.words, -1, dtype=np.int32)
+        for t in self._eos:
+            self.free.view(np.uint32)[t // 32] &= ~np.uint32(1 << (t % 32))
 
     def matcher(self, c: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher for ``c`` (compiled once per distinct constraint); ``ValueError`` naming
@@ -150,15 +161,21 @@ class SlotGrammars:
             self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._eos)
         return self._compiler.matcher(c)
 
-    def admit(self, slots: np.ndarray, constraints: Sequence[Constraint | None]) -> np.ndarray | None:
-        """Seat a fresh matcher in each slot whose row has a constraint → the first-token masks
-        ``[n, W]`` of all the ``slots`` (None when none is constrained)."""
-        seated = [(s, c) for s, c in zip(slots.tolist(), constraints) if c is not None]  # SYNC: none (host numpy)
-        for slot, c in seated:
+    def admit(self, slots: np.ndarray, constraints: Sequence[Constraint | None],
+              thinking: Sequence[bool]) -> np.ndarray | None:
+        """Seat a fresh matcher in each slot whose row has a constraint (``thinking``: the row starts
+        in its reasoning phase) → the first-token masks ``[n, W]`` of all the ``slots`` (None when
+        none is constrained)."""
+        seated = [(s, c, t) for s, c, t in zip(slots.tolist(), constraints, thinking) if c is not None]  # SYNC: none (host numpy)
+        for slot, c, think in seated:
             m = self.matcher(c)
             self.matchers[slot], self.fields[slot], self.constrained[slot], self.consumed[slot] = m, c.field, True, 0
-            llnp.fill_next_token_bitmask(m, self.first, slot)
-            self._check(slot)
+            self.thinking[slot] = think
+            if think:
+                self.first[slot] = self.free
+            else:
+                llnp.fill_next_token_bitmask(m, self.first, slot)
+                self._check(slot)
         return self.first[slots] if seated else None
 
     def _check(self, slot: int) -> bool:
@@ -183,6 +200,7 @@ class SlotGrammars:
     def release(self, slot: int) -> None:
         """The slot's row ended: forget its matcher."""
         self.matchers[slot], self.fields[slot], self.constrained[slot] = None, None, False
+        self.thinking[slot] = False
         self.first[slot] = -1
 
     def reset(self) -> None:
@@ -191,6 +209,7 @@ class SlotGrammars:
         self.fields = [None] * len(self.fields)
         self.failed = {}
         self.constrained[:] = False
+        self.thinking[:] = False
         self.first[:] = -1
 
     def any(self, slots: np.ndarray) -> bool:
@@ -209,6 +228,10 @@ class SlotGrammars:
         for slot in slots[self.constrained[slots]].tolist():  # SYNC: none (host numpy)
             tokens = generated(slot)
             new = tokens[self.consumed[slot]:].tolist()   # SYNC: none (host numpy)
+            if self.thinking[slot]:
+                new = self._skip_thinking(slot, new)
+                if self.thinking[slot]:
+                    continue                 # still thinking: its mask stays ``free``
             m = self.matchers[slot]
             # one by one: llguidance 1.9.1's ``consume_tokens`` refuses a complete grammar's end token
             for t in new:
@@ -221,6 +244,17 @@ class SlotGrammars:
             llnp.fill_next_token_bitmask_par(shared_executor(), todo, self.first)
             for _, slot in todo:
                 self._check(slot)
+
+    def _skip_thinking(self, slot: int, new: list[int]) -> list[int]:
+        """Count a thinking row's reasoning tokens among ``new`` as consumed → the answer tokens
+        after its think end, if it came (its grammar starts there)."""
+        if self.think_end not in new:
+            self.consumed[slot] += len(new)
+            return []
+        end = new.index(self.think_end) + 1
+        self.consumed[slot] += end
+        self.thinking[slot] = False
+        return new[end:]
 
     def path(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """Masks ``[n, K, W]`` for the K verify positions of ``rows`` given their ``drafts [n, K-1]``:
@@ -236,9 +270,16 @@ class SlotGrammars:
         for i, s in enumerate(rows.tolist()):   # SYNC: none (host numpy)
             if self.constrained[s]:
                 out[i * k] = self.first[s]      # position 0: the mask after the row's tokens, known
-                if cut[i]:
-                    out[i * k + 1: (i + 1) * k] = 0
-                    jobs.append((self.matchers[s], i * k, drafts[i, : cut[i]].tolist()))   # SYNC: none (host numpy, read once per cycle)
+                start = self._answer_start(s, drafts[i, : cut[i]])   # None: all of it is reasoning
+                if start is None:
+                    out[i * k + 1: (i + 1) * k] = self.free
+                    continue
+                out[i * k + 1: i * k + start] = self.free     # after drafts that are still reasoning
+                if start and cut[i] == start:     # the think end was the last draft: only its start state
+                    llnp.fill_next_token_bitmask(self.matchers[s], out, i * k + start)
+                elif cut[i] > 0 and cut[i] >= start:
+                    out[i * k + start + 1: (i + 1) * k] = 0
+                    jobs.append((self.matchers[s], i * k + start, drafts[i, start: cut[i]].tolist()))   # SYNC: none (host numpy, read once per cycle)
                     walked.append((i, s))
         if jobs:
             llnp.fill_next_token_bitmask_par_with_draft_tokens(shared_executor(), jobs, out)
@@ -247,6 +288,15 @@ class SlotGrammars:
                 if not self._check(s):
                     out[i * k: (i + 1) * k] = -1    # a failed row's masks: all-ones, its tokens unused
         return out.reshape(n, k, self.words)
+
+    def _answer_start(self, slot: int, drafts: np.ndarray) -> int | None:
+        """The verify position where a row's grammar starts (its start state): 0 for a row past its
+        thinking; for a thinking row the position after its first drafted think end (the positions
+        before it keep the ``free`` mask), None if it drafted none."""
+        if not self.thinking[slot]:
+            return 0
+        hits = np.flatnonzero(drafts == self.think_end)
+        return int(hits[0]) + 1 if len(hits) else None
 
 
 def check_structured(tokenizer, structured) -> Constraint | None:

@@ -37,6 +37,14 @@ class Request:
         budget = self.params.max_thinking_tokens
         return budget if self.reasoning is not None and budget is not None else -1
 
+    @property
+    def think_span(self) -> int:
+        """How many tokens its spent budget forces: the think end, then the template's separator
+        unless a grammar decides the answer's first tokens (0: no budget)."""
+        if self.think_at < 0:
+            return 0
+        return 1 if self.params.structured is not None else len(self.reasoning.forced)
+
     def output(self, token_ids: list[int], reason: FinishReason, stop_reason: str | int | None,
                stats: RowStats, text: str | None = None, logprobs: TokenLogprobs | None = None,
                error: str | None = None) -> RequestOutput:

@@ -139,7 +139,7 @@ class Scheduler:
         for r in reqs:
             r.admitted = now
         self.table.admit(slots, reqs)
-        masks = self.grammars.admit(slots, [r.params.structured for r in reqs])
+        masks = self.grammars.admit(slots, [r.params.structured for r in reqs], [r.reasoning is not None for r in reqs])
         prompts = plan_prompts(slots, reqs, self.prefix_index, self.capacity)
         if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
             for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)

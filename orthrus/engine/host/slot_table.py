@@ -103,8 +103,7 @@ class SlotTable:
         self.limit[slots] = np.minimum([r.params.max_new_tokens for r in requests], self.capacity - self.prompt_len[slots])
         self.greedy[slots] = [r.params.greedy for r in requests]
         self.min_new[slots] = [r.params.min_tokens for r in requests]
-        self.forced_until[slots] = [r.think_at + len(r.reasoning.forced) - 1 if r.think_at >= 0 else -1
-                                    for r in requests]
+        self.forced_until[slots] = [r.think_at + r.think_span - 1 if r.think_at >= 0 else -1 for r in requests]
         self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
                                 for r in requests]
         self.has_stops[slots] = [bool(r.params.stop) for r in requests]

@@ -1,0 +1,167 @@
+"""Structured output after reasoning, exact under speculation.
+
+A constrained row in its reasoning phase thinks freely (any token but EOS); its grammar applies from
+the token after its think end, from its start state. When a drafted block straddles the think end,
+the positions up to it use the free mask and the ones after it the grammar's masks along the drafts.
+Greedy equals constrained plain AR with the same rule (transformers, float64) in every mode, with
+the think end landing at the first, a middle and the last position of emitted blocks, in a ragged
+batch beside rows without a reasoning phase; thinking budgets force the think end (only it: the
+grammar decides the answer's first token).
+"""
+from __future__ import annotations
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from orthrus import OrthrusEngine, SamplingParams
+from orthrus.constraints import parse_constraint
+from orthrus.engine.host.grammar import _grammar
+from orthrus.reasoning import ReasoningTokens
+from support.constraints import PERSON, PROMPTS
+from support.paths import TOKENIZER_DIR
+from support.tiny_models import hf_twin, tiny_model
+
+EOS = (4095, 4093)          # the bundled tokenizer's <|im_end|>, <|endoftext|>
+VOCAB = 4097
+# 100 opens thinking; the model writes 39 by itself at indices 5-8 of these prompts' free text.
+THINK = ReasoningTokens(start=100, end=39, separator=(198,))
+CONSTRAINTS = [{"json_schema": PERSON}, {"regex": r"[a-z]{1,5}( [a-z]{1,5}){0,2}\."},
+               {"choice": ["yes", "no", "maybe"]}, {"grammar": 'root ::= "(" [0-9]+ ("," [0-9]+)* ")"'}]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # a closer diffusion twin than test_structured's: blocks of several accepted drafts, so the think
+    # end lands inside them
+    return tiny_model(seed=5, vocab=VOCAB, eos=list(EOS), block_size=4, diff_noise=0.1, scale=20.0)
+
+
+@pytest.fixture(scope="module")
+def lltok(tok):
+    return llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=list(EOS))
+
+
+def _allowed(m: llguidance.LLMatcher) -> torch.Tensor:
+    bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+    return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:VOCAB].astype(bool))
+
+
+def reference_greedy(hf, lltok, prompt: list[int], structured: dict | None, budget: int | None) -> list[int]:
+    """Plain AR with the rule: while thinking, no EOS (when constrained) and the think end forced at
+    the budget (then the separator, when unconstrained); after the think end, the grammar's masks."""
+    m = llguidance.LLMatcher(lltok, _grammar(parse_constraint(structured)), log_level=0) if structured else None
+    thinking, out = THINK.opens_reasoning(prompt), []
+    while len(out) < MAX_NEW:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+        forced = THINK.forced[: 1 if m is not None else None]
+        offset = len(out) - budget if budget is not None and THINK.opens_reasoning(prompt) else -1
+        if 0 <= offset < len(forced) and THINK.end not in out[:budget]:
+            t = forced[offset]
+        else:
+            if thinking and m is not None:
+                logits[list(EOS)] = float("-inf")
+            elif m is not None:
+                logits = logits.masked_fill(~_allowed(m), float("-inf"))
+            t = int(logits.argmax())
+        out.append(t)
+        if not thinking and m is not None:
+            assert m.consume_token(t)
+        thinking = thinking and t != THINK.end
+        if t in EOS:
+            break
+    return out
+
+
+def _run(engine: OrthrusEngine, prompts, params, speculative) -> tuple[list, list[list[int]]]:
+    """Step the engine by hand → the outputs in order, and each row's generated count after each step
+    (the boundaries of its emitted blocks)."""
+    ids = [engine.add_request(p, sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+    engine.scheduler.policy = engine.scheduler.policy   # the mode is the engine's (built per test)
+    counts: list[list[int]] = [[] for _ in ids]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            done[o.request_id] = o
+        for i, rid in enumerate(ids):
+            r = engine.scheduler.requests.get(rid)
+            if r is not None and r.slot >= 0:
+                counts[i].append(int(engine.scheduler.table.count[r.slot]))
+    outs = [done[rid] for rid in ids]
+    return outs, [n + [len(o.token_ids)] for n, o in zip(counts, outs)]     # the last block ends the row
+
+
+def _where_in_block(index: int, counts: list[int]) -> str:
+    """Whether token ``index`` was the first, a middle or the last token of the block that emitted it."""
+    ends = sorted(set(counts))
+    start = max([c for c in ends if c <= index], default=0)
+    end = min(c for c in ends if c > index)
+    if end - start == 1:
+        return "alone"
+    return "first" if index == start else "last" if index == end - 1 else "middle"
+
+
+CASES = ([(PROMPTS[i % 4] + [100], CONSTRAINTS[i % 4], None) for i in range(4)]        # their own think end
+         + [(PROMPTS[i % 4] + [100], CONSTRAINTS[(i + 1) % 4], b) for i, b in enumerate(range(12))]   # forced at 0..11
+         + [(PROMPTS[1], CONSTRAINTS[0], None), (PROMPTS[0] + [100], None, 3), (PROMPTS[2] + [100], None, None)])
+
+
+@pytest.mark.parametrize("speculative", [True, False, "auto"], ids=["spec", "ar", "auto"])
+def test_greedy_structured_after_thinking_equals_constrained_ar(model, tok, lltok, speculative):
+    hf = hf_twin(model)
+    engine = OrthrusEngine(model, max_batch_size=5, tokenizer=tok, reasoning=THINK, speculative=speculative)
+    params = [SamplingParams(max_new_tokens=MAX_NEW, structured=c, max_thinking_tokens=b) for _, c, b in CASES]
+    outs, counts = _run(engine, [p for p, _, _ in CASES], params, speculative)
+    places = set()
+    for (prompt, c, budget), o, n in zip(CASES, outs, counts):
+        assert o.token_ids == reference_greedy(hf, lltok, prompt, c, budget), (c, budget)
+        if THINK.opens_reasoning(prompt):
+            assert THINK.end in o.token_ids and o.num_reasoning_tokens == o.token_ids.index(THINK.end) + 1
+            places.add(_where_in_block(o.num_reasoning_tokens - 1, n))
+        else:
+            assert o.num_reasoning_tokens is None
+    assert any(o.finish_reason == "stop" for o in outs[:16])          # complete answers after thinking
+    if speculative is True:
+        assert {"first", "last"} <= places, places    # inside emitted blocks (every position: the oracle test)
+
+
+class RowOracle:
+    """Proposes each row's known constrained continuation (by request id), so a cycle accepts whole
+    blocks and the think end lands at every position of one."""
+
+    def __init__(self, sequences: dict[str, list[int]]) -> None:
+        self.sequences, self.engine = sequences, None
+
+    def propose(self, anchor, batch, cache, slots, backend):
+        b, k = batch.positions.shape
+        logits = torch.zeros(b, k - 1, VOCAB, dtype=torch.float64)
+        for i, slot in enumerate(slots.tolist()):
+            seq = self.sequences[self.engine.scheduler.table.requests[slot].request_id]
+            n = int(batch.positions[i, 0])
+            for j in range(k - 1):
+                logits[i, j, seq[n + 1 + j] if n + 1 + j < len(seq) else 0] = 10.0
+        return logits
+
+
+def test_think_end_at_every_position_of_accepted_blocks(model, tok, lltok):
+    hf = hf_twin(model)
+    expected = [reference_greedy(hf, lltok, p, c, b) for p, c, b in CASES]
+    oracle = RowOracle({str(i): p + e for i, ((p, _, _), e) in enumerate(zip(CASES, expected))})
+    engine = OrthrusEngine(model, max_batch_size=5, tokenizer=tok, reasoning=THINK, proposer=oracle)
+    oracle.engine = engine
+    params = [SamplingParams(max_new_tokens=MAX_NEW, structured=c, max_thinking_tokens=b) for _, c, b in CASES]
+    outs, counts = _run(engine, [p for p, _, _ in CASES], params, True)
+    assert [o.token_ids for o in outs] == expected
+    places = [_where_in_block(o.num_reasoning_tokens - 1, n) for o, n in zip(outs, counts) if o.num_reasoning_tokens]
+    assert {"first", "middle", "last"} <= set(places), places
+    assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0.8 * sum(o.stats.num_draft_tokens for o in outs)
