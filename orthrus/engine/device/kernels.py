@@ -19,6 +19,7 @@ from orthrus.engine.outputs import FinishReason
 from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import RaggedKVCache
+from orthrus.ranges import named_range
 from orthrus.sampling import accept, forbid_early_stops, greedy_accept, process, sample
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
@@ -60,6 +61,7 @@ def _target(logits: torch.Tensor, st: SlotState, slots: torch.Tensor, paths: Sam
     return forbid_early_stops(logits, st.stop_ids[slots], produced, st.min_new[slots])
 
 
+@named_range("prefill")
 def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: int | None) -> None:
     """Prefill the admitted slots (each prompt prefix at most once) and sample every row's first
     anchor from its own seed; with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""

@@ -1,37 +1,29 @@
-"""Speed benchmark: Orthrus vs our AR mode vs transformers ``generate``, per batch size.
+"""Speed: Orthrus vs our AR mode vs transformers ``generate``, per batch size (the default workload).
 
     python -m jobs.bench                       # CPU, bundled model + held-out prompts
     python -m jobs.bench --device cuda         # H200: bf16, Qwen3-1.7B-shaped random weights, K=32
-    python -m jobs.bench --only scale          # the job around the engine at scale (jobs/bench_scale.py)
-    python -m jobs.bench --only logprobs       # what per-token logprobs cost (jobs/bench_logprobs.py)
-    python -m jobs.bench --only vocab          # top-k / top-p at Qwen3's vocabulary (jobs/bench_vocab.py)
-    python -m jobs.bench --only prefix         # prefix cache and short outputs (jobs/bench_prefix.py)
-    python -m jobs.bench --only ab             # the engine at HEAD vs the working tree's (jobs/bench_ab.py)
-    python -m jobs.bench --only structured     # grammar constraints' cost (jobs/bench_structured.py)
-    python -m jobs.bench --only short          # 1-token rows: the job vs the bare engine (jobs/bench_short.py)
 
 All modes run in one process, interleaved, on the same prompts and seeds; each cell is the median
 of ``--reps`` repetitions. Ratios (not absolute seconds) are what to compare on a shared machine.
 Time split: draft forward / verify forward / the rest (sampling, acceptance, host bookkeeping),
-measured by timing the model's forward calls (synchronising first on GPU).
+measured by timing the model's forward calls (synchronising first on GPU). On CPU with ``--job``
+the report also holds the job around the engine (``job.py``: Ray job vs bare engine, audit,
+storage, scale). Writes ``bench-results/speed.json`` and ``speed.png``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 # Only modules that need no more than torch, transformers and pyarrow here: jobs.gpu_check imports
-# this file on a bare GPU image (no pydantic, no Ray). The job's sections (bench_audit, bench_job,
-# bench_scale, bench_storage → pipeline) are imported where they run.
-from jobs import bench_logprobs
-from jobs.prompt_ids import load_prompt_ids
+# this file on a bare GPU image (no pydantic, no Ray). The job's sections (job.py → pipeline) are
+# imported where they run.
+from jobs.bench import common
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.backends import BlockBatch
 from orthrus.testing.host_syncs import count_host_reads, host_reads
@@ -39,25 +31,12 @@ from orthrus.testing.host_syncs import count_host_reads, host_reads
 MODES = ("orthrus", "auto", "ar", "hf")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model", default="models/tiny-orthrus-py")
-    ap.add_argument("--prompts", default="examples/shards")
-    ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,4,16,64 on CPU; 1,8,32,128 on GPU)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+def add_args(ap) -> None:
+    """The speed workload's own arguments."""
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--max-seq-len", type=int, default=1024,
                     help="the engine's context limit (its cache capacity per slot), capped at the model's")
     ap.add_argument("--block-size", type=int, default=None, help="draft block size K (default: the model's)")
-    ap.add_argument("--min-rows", type=int, default=16,
-                    help="prompts per run: max(B, this); more than B flow through the B slots (continuous batching)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default="bench.json")
-    ap.add_argument("--job", action=argparse.BooleanOptionalAction, default=True,
-                    help="also compare the Ray Data job with the bare engine on all prompts (CPU only)")
-    ap.add_argument("--job-config", default="examples/demo.yaml")
     ap.add_argument("--skewed-rows", type=int, default=256,
                     help="rows of the length-skewed job workload (streaming vs batch-at-a-time vs bare engine)")
     ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash"],
@@ -65,19 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
-                    help="input rows of the job-at-scale section (jobs/bench_scale.py; CPU, with --job); '' skips it")
-    ap.add_argument("--only", choices=["scale", "logprobs", "vocab", "prefix", "ab", "structured", "short"],
-                    default=None,
-                    help="run one section alone: 'scale' writes bench_scale.json next to --out, "
-                         "'logprobs' bench_logprobs.json (default batch sizes 1,16), "
-                         "'vocab' bench_vocab.json (default batch sizes 1,8,32, one thread; its own reps "
-                         "and token counts: python -m jobs.bench_vocab --help), 'prefix' bench_prefix.json "
-                         "(python -m jobs.bench_prefix --help; --no-job skips its Ray job part), 'ab' "
-                         "bench_ab.json (the engine at HEAD vs the working tree's: python -m jobs.bench_ab --help), "
-                         "'structured' bench_structured.json (default batch sizes 1,16, one thread: "
-                         "python -m jobs.bench_structured --help), 'short' bench_short.json (20,000 rows of "
-                         "1 new token through the job vs the bare engine: python -m jobs.bench_short --help)")
-    return ap.parse_args(argv)
+                    help="input rows of the job-at-scale section (scale.py; CPU, with --job); '' skips it")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The speed workload's arguments (``jobs/gpu_check.py`` builds its trimmed bench with this)."""
+    return common.parse_args(["speed", *argv])
 
 
 class ForwardTimer:
@@ -132,19 +104,15 @@ def gpu_model() -> tuple[OrthrusForCausalLM, list[list[int]]]:
 
 def cpu_model(args) -> tuple[OrthrusForCausalLM, list[list[int]]]:
     """The bundled model and its held-out prompts."""
-    tok = AutoTokenizer.from_pretrained(args.model)
-    return OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32), load_prompt_ids(tok, args.prompts)
+    return common.load_model(args.model), common.load_prompts(args.model, args.prompts)[1]
 
 
 def run_engine(engine: OrthrusEngine, timer: ForwardTimer, prompts, max_new: int, mode: str) -> dict:
+    """One timed ``generate`` of ``mode`` → tokens/s, tokens per cycle and the time split."""
     timer.reset()
     spec = {"orthrus": True, "auto": "auto", "ar": False}[mode]
     params = [SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
-    timer.sync()
-    t = time.perf_counter()
-    res = engine.generate(prompts, params, speculative=spec)
-    timer.sync()
-    dt = time.perf_counter() - t
+    dt, res = common.time_generate(engine, prompts, params, spec)
     tokens = sum(len(r.token_ids) for r in res)
     cycles = sum(r.stats.num_cycles for r in res)
     iters = cycles + sum(r.stats.num_ar_steps for r in res)
@@ -174,11 +142,6 @@ def _hf_batch(hf: Qwen3ForCausalLM, prompts, max_new: int, eos: tuple[int, ...],
     return sum(next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in gen)
 
 
-def median_cells(samples: dict[str, list[dict]]) -> dict[str, dict]:
-    return {mode: {k: (statistics.median(s[k] for s in runs) if runs[0][k] is not None else None)
-                   for k in runs[0]} for mode, runs in samples.items() if runs}
-
-
 def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     """Interleaved repetitions of every mode at one batch size (the first rep is a warm-up)."""
     engine = OrthrusEngine(model, max_batch_size=b, block_size=args.block_size,
@@ -189,17 +152,12 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
         torch.cuda.reset_peak_memory_stats()
     timer = ForwardTimer(model, enabled=not engine.static_shapes)
     batch_prompts = [prompts[i % len(prompts)] for i in range(max(b, args.min_rows))]
-    samples: dict[str, list[dict]] = {m: [] for m in modes}
-    for rep in range(args.reps + 1):
-        for mode in modes:
-            if mode == "hf":
-                cell = run_hf(hf, batch_prompts, b, args.max_new_tokens, engine.eos_token_ids, args.device)
-            else:
-                cell = run_engine(engine, timer, batch_prompts, args.max_new_tokens, mode)
-            if rep:
-                samples[mode].append(cell)
+    runs = {m: (lambda: run_hf(hf, batch_prompts, b, args.max_new_tokens, engine.eos_token_ids, args.device))
+            if m == "hf" else (lambda m=m: run_engine(engine, timer, batch_prompts, args.max_new_tokens, m))
+            for m in modes}
+    samples, _ = common.rounds(runs, args.reps, rotate=False)     # modes in order; round 0 a warm-up
     timer.restore()
-    cells = median_cells(samples)
+    cells = {mode: common.median_cell(s) for mode, s in samples.items() if s}
     for mode, cell in cells.items():
         if "ar" in cells:
             cell["vs_ar"] = cell["tokens_per_s"] / cells["ar"]["tokens_per_s"]
@@ -255,42 +213,12 @@ def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> fl
     return host_reads(reads) / (engine.stats.iterations - before)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.only == "scale":
-        from jobs import bench_scale
-        bench_scale.main(["--sizes", args.scale_sizes, "--out", str(Path(args.out).with_name("bench_scale.json"))])
-        return
-    if args.only == "vocab":
-        from jobs import bench_vocab
-        vocab_args = ["--out", str(Path(args.out).with_name("bench_vocab.json")), "--threads", str(args.threads or 1)]
-        bench_vocab.main(vocab_args + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []))
-        return
-    if args.only == "short":
-        from jobs import bench_short
-        bench_short.main(["--model", args.model, "--out", str(Path(args.out).with_name("bench_short.json"))])
-        return
-    if args.only in ("prefix", "ab"):
-        only_prefix_or_ab(args)
-        return
-    if args.only == "structured":
-        from jobs import bench_structured
-        bench_structured.main(["--model", args.model, "--prompts", args.prompts, "--threads", str(args.threads or 1),
-                               "--reps", str(args.reps), "--max-new-tokens", str(args.max_new_tokens),
-                               "--out", str(Path(args.out).with_name("bench_structured.json"))]
-                              + (["--batch-sizes", args.batch_sizes] if args.batch_sizes else []))
-        return
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.only == "logprobs":
-        sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else [1, 16]
-        report = bench_logprobs.run(args.model, sizes, args.reps, args.max_new_tokens, args.prompts)
-        Path(args.out).with_name("bench_logprobs.json").write_text(json.dumps(report, indent=2))
-        return
+def main(args: argparse.Namespace) -> None:
+    """Every batch size (and on CPU with ``--job`` the job's sections) → the report and its plot."""
+    common.set_threads(args)
     torch.manual_seed(0)
     model, prompts = gpu_model() if args.device == "cuda" else cpu_model(args)
-    default_bs = "1,8,32,128" if args.device == "cuda" else "1,4,16,64"
-    sizes = [int(x) for x in (args.batch_sizes or default_bs).split(",")]
+    sizes = common.batch_sizes(args, "1,8,32,128" if args.device == "cuda" else "1,4,16,64")
     modes = [m for m in args.modes.split(",") if m]
     hf = hf_twin(model, args.device) if "hf" in modes else None
     report = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
@@ -300,50 +228,13 @@ def main(argv: list[str] | None = None) -> None:
         report["results"][b] = bench_batch(b, args, model, prompts, hf, modes)
         print_row(b, report["results"][b])
     if args.job and args.device == "cpu":
+        from jobs.bench.job import job_sections          # pipeline, pydantic, Ray
         job_sections(report, args, model, prompts)
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.device == "cuda":
         report["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    plot(report, str(Path(args.out).with_suffix(".png")))
-    print(f"wrote {args.out} and its plot")
-
-
-def only_prefix_or_ab(args) -> None:
-    """``--only prefix`` / ``--only ab``: their own modules, one thread unless --threads says otherwise."""
-    common = ["--model", args.model, "--prompts", args.prompts, "--threads", str(args.threads or 1)]
-    if args.only == "prefix":
-        from jobs import bench_prefix
-        extra = ["--job-config", args.job_config] + ([] if args.job else ["--no-job"])
-        bench_prefix.main(common + extra + ["--out", str(Path(args.out).with_name("bench_prefix.json"))])
-    else:
-        from jobs import bench_ab
-        extra = ["--batch-sizes", args.batch_sizes] if args.batch_sizes else []
-        bench_ab.main(common + extra + ["--max-new-tokens", str(args.max_new_tokens), "--min-rows", str(args.min_rows),
-                                        "--out", str(Path(args.out).with_name("bench_ab.json"))])
-
-
-def job_sections(report: dict, args, model: OrthrusForCausalLM, prompts) -> None:
-    """The job around the engine (CPU): Ray Data job vs bare engine, audit, storage, scale."""
-    from jobs import bench_audit, bench_job, bench_scale, bench_storage   # pipeline, pydantic, Ray
-    report["job_vs_engine"] = bench_job.job_vs_engine(model, args.model, prompts, args.job_config,
-                                                      args.max_new_tokens)
-    print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
-    report["skewed_job"] = bench_job.skewed_job(args.model, args.prompts, args.job_config, args.skewed_rows)
-    print(f"Length-skewed workload, job vs bare engine: {report['skewed_job']}", flush=True)
-    report["shared_prefill"] = bench_job.shared_prefill(model, prompts[:16])
-    print(f"n = 4 samples per prompt, prefill: {report['shared_prefill']}", flush=True)
-    report["stop_strings"] = bench_job.stop_string_waste(args.job_config)
-    print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
-    report["audit_overhead"] = bench_audit.audit_overhead(args.model, args.prompts)
-    print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
-    report["storage"] = bench_storage.storage_vs_local(args.model, args.prompts, args.job_config)
-    print(f"Same job, local disk vs an S3 endpoint on loopback: {report['storage']}", flush=True)
-    if args.scale_sizes:
-        sizes = [x for x in args.scale_sizes.split(",") if x.strip()]
-        report["scale"] = bench_scale.scale_report(sizes, bench_scale.resume_sizes_for(sizes))
-        print("The job around the engine at scale (null stage):\n"
-              + bench_scale.render_targets(report["scale"]["targets"]), flush=True)
+    common.write_report(args, report)
+    plot(report, str(common.results_path(args, ".png")))
 
 
 def hf_twin(model: OrthrusForCausalLM, device: str) -> Qwen3ForCausalLM:
@@ -388,6 +279,3 @@ def print_row(b: int, cells: dict) -> None:
     parts.append(f"host reads/iteration={cells['host_reads_per_iteration']:g}")
     print(" | ".join(parts), flush=True)
 
-
-if __name__ == "__main__":
-    main()
