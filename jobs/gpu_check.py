@@ -44,6 +44,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
+from jobs.bench import common
 from jobs.bench import speed as bench
 from jobs.gpu_budget import Budget, Step, guard, write_json
 from jobs.prompt_ids import load_prompt_ids
@@ -226,10 +227,10 @@ class Check(Budget):
 
     def bench_args(self, eager: bool = False) -> argparse.Namespace:
         """The trimmed bench: rows = B (one wave), few repetitions; eager SDPA (no graphs) if asked."""
-        args = bench.parse_args(["--device", self.device.type, "--model", self.args.model, "--prompts",
-                                 self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
-                                 str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
-                                 "--attention", "sdpa" if eager else "auto"])
+        args = common.parse_args(["speed", "--device", self.device.type, "--model", self.args.model, "--prompts",
+                                  self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
+                                  str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
+                                  "--attention", "sdpa" if eager else "auto"])
         args.cuda_graphs = False if eager else None
         return args
 

@@ -84,20 +84,15 @@ def timed(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool
 def ab_cell(sides: dict, prompts: list[list[int]], max_new: int, speculative: bool, reps: int) -> dict:
     """Interleaved old/new pairs on one workload (order alternating; pair 0 a warm-up) → the cell.
     ``sides``: name ("old", "new") → (package, engine)."""
-    ids: dict[str, list] = {}
-
-    def run(side: str) -> dict:
-        pkg, engine = sides[side]
-        cell = timed(pkg, engine, prompts, max_new, speculative)
-        ids[side] = cell.pop("ids")
-        return cell
-    samples, _ = common.rounds({"new": lambda: run("new"), "old": lambda: run("old")}, reps)
+    r = common.rounds({side: (lambda side=side: timed(*sides[side], prompts, max_new, speculative))
+                       for side in ("new", "old")}, reps)
+    samples = r.samples
     old, new = common.med(samples["old"], "tok_s"), common.med(samples["new"], "tok_s")
     return {"old_tok_s": old, "new_tok_s": new, "ratio_of_medians": new / old,
             "median_of_pair_ratios": common.pair_ratio(samples["new"], samples["old"], "tok_s"),
             "old_runs_tok_s": [c["tok_s"] for c in samples["old"]],
             "new_runs_tok_s": [c["tok_s"] for c in samples["new"]],
-            "tokens_identical": ids["old"] == ids["new"]}
+            "tokens_identical": r.ids["old"][-1] == r.ids["new"][-1]}
 
 
 def run(before: str, model_dir: str, prompts_dir: str, sizes: list[int], reps: int, max_new: int,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -159,21 +160,44 @@ def rotated(names: Sequence, rep: int) -> list:
     return list(names[k:]) + list(names[:k])
 
 
-def rounds(runs: dict[str, Callable[[], dict]], reps: int, rotate: bool = True,
-           warmup: bool = True) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+class Rounds(NamedTuple):
+    """What ``rounds`` measured: the timed cells and the warm-up cells by name, and the token ids
+    every run of a name gave (round 0 included), in order (cells carrying ``ids`` lose them)."""
+
+    samples: dict[str, list[dict]]
+    first: dict[str, dict]
+    ids: dict[str, list]
+
+    def repeatable(self, name: str) -> bool:
+        """Whether every run of ``name`` gave the same tokens."""
+        return all(x == self.ids[name][0] for x in self.ids[name])
+
+
+def rounds(runs: dict[str, Callable[[], dict]], reps: int, rotate: bool = True, warmup: bool = True) -> Rounds:
     """``reps`` timed rounds of every ``runs[name]()`` (after one warm-up round with ``warmup``),
-    interleaved, in rotating order with ``rotate`` → (the timed cells by name, the warm-up cells)."""
+    interleaved, in rotating order with ``rotate``."""
     names = list(runs)
-    samples: dict[str, list[dict]] = {n: [] for n in names}
-    first: dict[str, dict] = {}
+    out = Rounds({n: [] for n in names}, {}, {n: [] for n in names})
     for rep in range(reps + 1 if warmup else reps):
         for name in (rotated(names, rep) if rotate else names):
             cell = runs[name]()
+            if "ids" in cell:
+                out.ids[name].append(cell.pop("ids"))
             if warmup and rep == 0:
-                first[name] = cell
+                out.first[name] = cell
             else:
-                samples[name].append(cell)
-    return samples, first
+                out.samples[name].append(cell)
+    return out
+
+
+def host_reads_per_iteration(engine, run: Callable[[], object]) -> float:
+    """Device→host reads per engine iteration while ``run()`` drives ``engine`` (the budget of an
+    unconstrained iteration is 1)."""
+    from orthrus.testing.host_syncs import count_host_reads, host_reads
+    before = engine.stats.iterations
+    with count_host_reads() as reads:
+        run()
+    return host_reads(reads) / max(1, engine.stats.iterations - before)
 
 
 def med(cells: list[dict], key: str) -> float:

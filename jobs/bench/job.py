@@ -50,6 +50,16 @@ def run_job(config: str, sets: list[str], out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def actor_budget_run(module: str, *argv: str) -> dict:
+    """``python -m module *argv`` in its own process with a generation actor's thread budget → the
+    JSON of its last output line. The actor has 1 CPU, and Ray sets OMP_NUM_THREADS=1 for it, which
+    also caps the BLAS/OpenMP pools that torch.set_num_threads(1) alone leaves at the core count
+    (measured here: ~10-20% faster than the actor's budget on a 2-core VM)."""
+    out = subprocess.run([sys.executable, "-m", module, *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         check=True, capture_output=True, text=True, timeout=3600).stdout
+    return json.loads(out.splitlines()[-1])
+
+
 def skewed_rows(prompts_dir: str, rows: int, seed: int = 0) -> pa.Table:
     """``rows`` held-out prompts (cycled) with per-row ``max_new_tokens`` drawn log-uniformly in 8 … 256."""
     texts = pads.dataset(prompts_dir, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
@@ -77,14 +87,8 @@ def skewed_job(model_path: str, prompts_dir: str, config: str, rows: int = 256) 
                         "tokens": run["completion_tokens"], "decoded_after_stop": summary["tokens"]["decoded_after_stop"],
                         "finish_reason": summary["rows"]["finish_reason"]}
         slots = int(summary["config"]["engine"]["max_batch_size"])
-    # The baseline gets the actor's thread budget: the actor has 1 CPU, and Ray sets OMP_NUM_THREADS=1
-    # for it, which also caps the BLAS/OpenMP pools that torch.set_num_threads(1) alone leaves at
-    # the core count (measured here: ~10-20% faster than the actor's budget on this 2-core VM).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "jobs.bench.job", str(tmp / "in" / "rows.parquet"), model_path, str(slots),
-           json.dumps(STOPS)]
-    bare_run = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
-                                         timeout=3600).stdout.splitlines()[-1])
+    bare_run = actor_budget_run("jobs.bench.job", str(tmp / "in" / "rows.parquet"), model_path, str(slots),
+                                json.dumps(STOPS))
     bare = max(bare_run["tokens_per_s"])
     report["bare_engine_tokens_per_s"] = bare
     report["bare_engine_runs_tokens_per_s"] = bare_run["tokens_per_s"]
@@ -125,7 +129,6 @@ def stop_string_waste(config_path: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from pipeline.rows import schema as S
     from pipeline.config import load_config
     from pipeline.run.job import preflight
     from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch

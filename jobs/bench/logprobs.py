@@ -18,7 +18,6 @@ import torch
 
 from jobs.bench import common
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 SETTINGS: tuple[int | None, ...] = (None, 0, 5)
 
@@ -27,12 +26,12 @@ def _label(logprobs: int | None) -> str:
     return "none" if logprobs is None else str(logprobs)
 
 
-def _run_once(engine: OrthrusEngine, prompts: list[list[int]], max_new: int, logprobs: int | None
-              ) -> tuple[float, int, list[list[int]]]:
-    """One greedy speculative generate → (seconds, tokens, the token ids)."""
+def _run_once(engine: OrthrusEngine, prompts: list[list[int]], max_new: int, logprobs: int | None) -> dict:
+    """One greedy speculative generate → tokens/s, tokens and the token ids."""
     seconds, outs = common.time_generate(engine, prompts, SamplingParams(max_new_tokens=max_new, logprobs=logprobs),
                                          speculative=True)
-    return seconds, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "ids": [o.token_ids for o in outs]}
 
 
 def bench_batch(model: OrthrusForCausalLM, prompts: list[list[int]], b: int, reps: int, max_new: int) -> dict:
@@ -40,24 +39,15 @@ def bench_batch(model: OrthrusForCausalLM, prompts: list[list[int]], b: int, rep
     engine = OrthrusEngine(model, max_batch_size=b, max_seq_len=min(1024, model.config.max_position_embeddings),
                            static_shapes=False)
     rows = prompts[: max(b, 4)]
-    tokens: dict[str, int] = {}
-    ids: dict[str, list[list[int]]] = {}
-
-    def run(setting: int | None) -> dict:
-        seconds, n, ids[_label(setting)] = _run_once(engine, rows, max_new, setting)
-        tokens[_label(setting)] = n
-        return {"tokens_per_s": n / seconds}
     # rotated: drift hits every setting; round 0 a warm-up
-    samples, _ = common.rounds({_label(s): (lambda s=s: run(s)) for s in SETTINGS}, reps)
-    assert ids["none"] == ids["0"] == ids["5"], "logprobs changed the generated tokens"
-    cells: dict = {name: {"tokens_per_s": common.med(v, "tokens_per_s"), "tokens": tokens[name]}
-                   for name, v in samples.items()}
+    r = common.rounds({_label(s): (lambda s=s: _run_once(engine, rows, max_new, s)) for s in SETTINGS}, reps)
+    assert r.ids["none"][-1] == r.ids["0"][-1] == r.ids["5"][-1], "logprobs changed the generated tokens"
+    cells: dict = {name: {"tokens_per_s": common.med(v, "tokens_per_s"), "tokens": v[-1]["tokens"]}
+                   for name, v in r.samples.items()}
     for setting in SETTINGS[1:]:
         cells[f"ratio_{setting}"] = cells[_label(setting)]["tokens_per_s"] / cells["none"]["tokens_per_s"]
-    before = engine.stats.iterations
-    with count_host_reads() as reads:
-        _run_once(engine, rows, max_new, 5)
-    cells["host_reads_per_iteration_logprobs_5"] = host_reads(reads) / (engine.stats.iterations - before)
+    cells["host_reads_per_iteration_logprobs_5"] = common.host_reads_per_iteration(
+        engine, lambda: _run_once(engine, rows, max_new, 5))
     cells["rows"] = len(rows)
     return cells
 

@@ -115,14 +115,9 @@ def timed_generate(engine: OrthrusEngine, prompts: list[list[int]], max_new: int
 def interleaved(runs: dict, reps: int) -> tuple[dict[str, list[dict]], dict[str, dict], bool]:
     """``reps`` + 1 rounds of every ``runs[name]()`` in rotating order (round 0: warm-up) →
     (the timed samples by name, round 0's by name, whether every run gave the same token ids)."""
-    seen: list = []
-
-    def run(name: str) -> dict:
-        cell = runs[name]()
-        seen.append(cell.pop("ids"))
-        return cell
-    samples, first = common.rounds({n: (lambda n=n: run(n)) for n in runs}, reps)
-    return samples, first, all(ids == seen[0] for ids in seen)
+    r = common.rounds(runs, reps)
+    every = [ids for runs_ids in r.ids.values() for ids in runs_ids]
+    return r.samples, r.first, all(ids == every[0] for ids in every)
 
 
 def engine_prefix(model: OrthrusForCausalLM, w: PrefixWorkload, slots: int = 8, max_new: int = 64,

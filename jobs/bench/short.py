@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.bench import common
-from jobs.bench.job import run_job
+from jobs.bench.job import actor_budget_run, run_job
 
 
 def short_rows(rows: int) -> pa.Table:
@@ -105,13 +103,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _bare(rows: Path, args: argparse.Namespace) -> dict:
-    """The bare engine on ``rows`` in its own process, with the actor's thread budget (Ray sets
-    OMP_NUM_THREADS=1 for a 1-CPU actor, see job.py)."""
-    cmd = [sys.executable, "-m", "jobs.bench.short", str(rows), args.model, str(args.slots),
-           str(args.max_new_tokens)]
-    out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True,
-                         timeout=3600).stdout.splitlines()[-1]
-    return json.loads(out)
+    """The bare engine on ``rows`` in its own process, with the actor's thread budget."""
+    return actor_budget_run("jobs.bench.short", str(rows), args.model, str(args.slots), str(args.max_new_tokens))
 
 
 def add_args(ap) -> None:

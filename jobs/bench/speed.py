@@ -26,7 +26,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from jobs.bench import common
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.backends import BlockBatch
-from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 MODES = ("orthrus", "auto", "ar", "hf")
 
@@ -45,11 +44,6 @@ def add_args(ap) -> None:
                     help="replay each steady-state iteration as a captured CUDA graph (default: with flash)")
     ap.add_argument("--scale-sizes", default="0.2M,2M,20M",
                     help="input rows of the job-at-scale section (scale.py; CPU, with --job); '' skips it")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The speed workload's arguments (``jobs/gpu_check.py`` builds its trimmed bench with this)."""
-    return common.parse_args(["speed", *argv])
 
 
 class ForwardTimer:
@@ -155,7 +149,7 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
     runs = {m: (lambda: run_hf(hf, batch_prompts, b, args.max_new_tokens, engine.eos_token_ids, args.device))
             if m == "hf" else (lambda m=m: run_engine(engine, timer, batch_prompts, args.max_new_tokens, m))
             for m in modes}
-    samples, _ = common.rounds(runs, args.reps, rotate=False)     # modes in order; round 0 a warm-up
+    samples = common.rounds(runs, args.reps, rotate=False).samples     # modes in order; round 0 a warm-up
     timer.restore()
     cells = {mode: common.median_cell(s) for mode, s in samples.items() if s}
     for mode, cell in cells.items():
@@ -167,7 +161,9 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
         cycle = cells["orthrus"]["seconds"] / max(1, cells["orthrus"]["tokens"] / cells["orthrus"]["tokens_per_cycle"])
         step = cells["ar"]["seconds"] / max(1, cells["ar"]["tokens"])
         cells["cycle_over_ar_step"] = cycle / step
-    cells["host_reads_per_iteration"] = host_reads_per_iteration(engine, batch_prompts, args.max_new_tokens)
+    cells["host_reads_per_iteration"] = common.host_reads_per_iteration(    # one untimed Orthrus run
+        engine, lambda: engine.generate(batch_prompts, SamplingParams(max_new_tokens=args.max_new_tokens),
+                                        speculative=True))
     cells["engine"] = {"attention": engine.attention, "cuda_graphs": engine.static_shapes and args.device == "cuda",
                        "kv_cache_mib": sum(t.numel() * t.element_size() for t in engine.cache.k + engine.cache.v) / 2 ** 20}
     if args.device == "cuda":
@@ -203,14 +199,6 @@ def forward_profile(model: OrthrusForCausalLM, sizes: list[int], prefix: int = 2
         profile[str(b)] = row
         print(f"forward ms at B={b}: " + "  ".join(f"T={t}: {ms:.2f}" for t, ms in row.items()), flush=True)
     return profile
-
-
-def host_reads_per_iteration(engine: OrthrusEngine, prompts, max_new: int) -> float:
-    """Device→host reads per decode iteration in one untimed Orthrus run (the budget is 1)."""
-    before = engine.stats.iterations
-    with count_host_reads() as reads:
-        engine.generate(prompts, SamplingParams(max_new_tokens=max_new), speculative=True)
-    return host_reads(reads) / (engine.stats.iterations - before)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -52,7 +52,6 @@ from jobs.bench.profile import PARTS, profiled
 from jobs.bench.structured_print import print_batch, print_summary, print_validation
 from jobs.structured_suite import SUITE, Case, valid
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
-from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 SPECULATIVE_MODES = ("free", "constrained", "mixed")     # the modes that are timed split by part
 MODES = ("free", "constrained", "constrained_ar", "free_matched", "free_ar", "free_plain", "mixed")
@@ -126,13 +125,6 @@ def split_run(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, m
             "share": {p: s / cell["seconds"] for p, s in parts.items()}}
 
 
-def host_reads_per_iteration(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, max_new: int) -> float:
-    before = engine.stats.iterations
-    with count_host_reads() as reads:
-        run_mode(engine, tok, prompts, mode, max_new)
-    return host_reads(reads) / max(1, engine.stats.iterations - before)
-
-
 # (name, numerator mode, denominator mode, key) of each ratio a batch size reports
 RATIOS = (("constrained_over_free tokens_per_s", "constrained", "free", "tokens_per_s"),
           ("constrained_over_free tokens_per_cycle", "constrained", "free", "tokens_per_cycle"),
@@ -151,22 +143,6 @@ SAME_TOKENS = (("constrained greedy tokens: speculative == AR", "constrained", "
                ("free_matched rows: prefixes of the free rows", "free_matched", "free", "prefix"),
                ("mixed batch: free rows == all-free run", "mixed", "free", "odd"),
                ("mixed batch: constrained rows == all-constrained run", "mixed", "constrained", "even"))
-
-
-def timed_rounds(engine_of: dict, tok, prompts: list[list[int]], modes: list[str], args: argparse.Namespace,
-                 matched: list[int] | None) -> tuple[dict[str, list[dict]], dict[str, list], dict[str, bool]]:
-    """Interleaved rounds of ``modes`` (rotating order, round 0 a warm-up) → (the timed cells by
-    mode, each mode's token ids, whether every round of a mode gave the same tokens)."""
-    ids: dict[str, list] = {}
-    repeatable = {m: True for m in modes}
-
-    def run(mode: str) -> dict:
-        cell = run_mode(engine_of[mode], tok, prompts, mode, args.max_new_tokens, matched)
-        got = cell.pop("ids")
-        repeatable[mode] &= ids.setdefault(mode, got) == got
-        return cell
-    samples, _ = common.rounds({m: (lambda m=m: run(m)) for m in modes}, args.reps)
-    return samples, ids, repeatable
 
 
 def ratios_of(cells: dict, samples: dict) -> dict:
@@ -211,16 +187,19 @@ def bench_batch(model: OrthrusForCausalLM, tok, prompts: list[list[int]], b: int
     matched = None
     if "free_matched" in modes:       # the constrained rows' lengths (an extra warm-up run)
         matched = [len(t) for t in run_mode(engine, tok, prompts, "constrained", args.max_new_tokens)["ids"]]
-    samples, ids, repeatable = timed_rounds(engine_of, tok, prompts, modes, args, matched)
+    r = common.rounds({m: (lambda m=m: run_mode(engine_of[m], tok, prompts, m, args.max_new_tokens, matched))
+                       for m in modes}, args.reps)                 # rotating order, round 0 a warm-up
+    samples, ids = r.samples, {m: got[0] for m, got in r.ids.items()}
     cells: dict = {m: {k: med(s, k) for k in s[0]} for m, s in samples.items()}
     for m, s in samples.items():
         cells[m]["tokens"] = s[0]["tokens"]
-    checks = {f"{m} tokens repeat every round": ok for m, ok in repeatable.items()}
+    checks = {f"{m} tokens repeat every round": r.repeatable(m) for m in modes}
     checks.update(token_checks(ids))
     for m in modes:
         if m in ("constrained", "constrained_ar", "mixed"):
             checks[f"{m}: every stop row valid"] = all(c["constrained_stop_rows_invalid"] == 0 for c in samples[m])
-    reads = {m: host_reads_per_iteration(engine_of[m], tok, prompts, m, args.max_new_tokens)
+    reads = {m: common.host_reads_per_iteration(engine_of[m], lambda m=m: run_mode(
+                 engine_of[m], tok, prompts, m, args.max_new_tokens))
              for m in modes if m in ("free", "constrained", "constrained_ar", "mixed")}
     if "free" in reads:
         checks["free: 1 host read per iteration"] = reads["free"] == 1

@@ -25,12 +25,12 @@ def test_median_pair_ratio_and_median_cell():
 def test_rounds_interleave_rotate_and_drop_the_warm_up():
     order: list[str] = []
     runs = {n: (lambda n=n: order.append(n) or {"i": len(order)}) for n in ("a", "b", "c")}
-    samples, first = common.rounds(runs, reps=2)
+    samples, first, _ = common.rounds(runs, reps=2)
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert first == {"a": {"i": 1}, "b": {"i": 2}, "c": {"i": 3}}
     assert samples["a"] == [{"i": 6}, {"i": 8}] and samples["c"] == [{"i": 5}, {"i": 7}]
     order.clear()
-    samples, first = common.rounds(runs, reps=2, rotate=False, warmup=False)
+    samples, first, _ = common.rounds(runs, reps=2, rotate=False, warmup=False)
     assert order == ["a", "b", "c"] * 2 and first == {} and len(samples["b"]) == 2
     assert common.rotated(("x", "y"), 3) == ["y", "x"]
 
