@@ -13,6 +13,7 @@ storage, scale). Writes ``bench-results/speed.json`` and ``speed.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import statistics
 import time
@@ -26,6 +27,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from jobs.bench import common
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
 from orthrus.model.backends import BlockBatch
+from orthrus.ranges import RangeTimer
 
 MODES = ("orthrus", "auto", "ar", "hf")
 
@@ -46,41 +48,20 @@ def add_args(ap) -> None:
                     help="input rows of the job-at-scale section (scale.py; CPU, with --job); '' skips it")
 
 
-class ForwardTimer:
-    """Accumulates seconds spent in the model's cached forwards, split by view.
-
-    Only for eager engines: timing needs a device sync around every forward, which a captured
-    CUDA graph cannot contain (static-shape engines report no split).
-    """
+class ForwardTimer(RangeTimer):
+    """Seconds in the model's draft and verify forwards (the prefill's included), from the engine's
+    named ranges. Only for eager engines: timing needs a device sync around every forward, which a
+    captured CUDA graph cannot contain (static-shape engines report no split)."""
 
     def __init__(self, model: OrthrusForCausalLM, enabled: bool) -> None:
-        self.model, self.inner, self.enabled = model, model.forward_cached, enabled
-        self.seconds = {"draft": 0.0, "verify": 0.0}
-
-        def timed(ids, cache, batch, diffusion, backend):
-            self.sync()
-            t = time.perf_counter()
-            out = self.inner(ids, cache, batch, diffusion, backend)
-            self.sync()
-            self.seconds["draft" if diffusion else "verify"] += time.perf_counter() - t
-            return out
-        if enabled:
-            model.forward_cached = timed
-
-    def sync(self) -> None:
-        if next(self.model.parameters()).is_cuda:
-            torch.cuda.synchronize()
-
-    def reset(self) -> None:
-        self.seconds = {"draft": 0.0, "verify": 0.0}
-
-    def restore(self) -> None:
-        self.model.forward_cached = self.inner
+        super().__init__(torch.cuda.synchronize if next(model.parameters()).is_cuda else None)
+        self.enabled = enabled
 
     def split(self, total: float) -> dict:
+        """The last run's draft / verify / rest seconds (None without a split)."""
         if not self.enabled:
             return {"draft_s": None, "verify_s": None, "rest_s": None}
-        d, v = self.seconds["draft"], self.seconds["verify"]
+        d, v = self.seconds["draft_forward"], self.seconds["verify_forward"]
         return {"draft_s": d, "verify_s": v, "rest_s": total - d - v}
 
 
@@ -103,10 +84,11 @@ def cpu_model(args) -> tuple[OrthrusForCausalLM, list[list[int]]]:
 
 def run_engine(engine: OrthrusEngine, timer: ForwardTimer, prompts, max_new: int, mode: str) -> dict:
     """One timed ``generate`` of ``mode`` → tokens/s, tokens per cycle and the time split."""
-    timer.reset()
+    timer.seconds.clear()
     spec = {"orthrus": True, "auto": "auto", "ar": False}[mode]
     params = [SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
-    dt, res = common.time_generate(engine, prompts, params, spec)
+    with timer if timer.enabled else contextlib.nullcontext():
+        dt, res = common.time_generate(engine, prompts, params, spec)
     tokens = sum(len(r.token_ids) for r in res)
     cycles = sum(r.stats.num_cycles for r in res)
     iters = cycles + sum(r.stats.num_ar_steps for r in res)
@@ -150,7 +132,6 @@ def bench_batch(b: int, args, model, prompts, hf, modes) -> dict:
             if m == "hf" else (lambda m=m: run_engine(engine, timer, batch_prompts, args.max_new_tokens, m))
             for m in modes}
     samples = common.rounds(runs, args.reps, rotate=False).samples     # modes in order; round 0 a warm-up
-    timer.restore()
     cells = {mode: common.median_cell(s) for mode, s in samples.items() if s}
     for mode, cell in cells.items():
         if "ar" in cells:

@@ -11,7 +11,7 @@ import torch
 
 from jobs.bench import common
 from jobs.bench.profile import exclusive_seconds, profiled
-from orthrus.ranges import PREFIX, named_range, ranged
+from orthrus.ranges import PREFIX, RangeTimer, named_range, ranged
 
 
 def test_median_pair_ratio_and_median_cell():
@@ -96,6 +96,20 @@ def test_ranges_cost_nothing_without_a_profiler_and_show_in_one():
             return head(torch.ones(3))
     out, seconds = profiled(run)
     assert out.tolist() == [2.0] * 3 and set(seconds) == {"prefill", "device_masking"}
+
+
+def test_a_range_timer_times_ranges_inclusively_and_syncs_around_each():
+    synced = []
+    with ranged("outside"):
+        pass
+    with RangeTimer(lambda: synced.append(1)) as timer:
+        with ranged("prefill"):
+            with ranged("verify_forward"):
+                pass
+    with ranged("after"):
+        pass
+    assert set(timer.seconds) == {"prefill", "verify_forward"} and len(synced) == 4
+    assert timer.seconds["prefill"] >= timer.seconds["verify_forward"] >= 0
 
 
 def test_no_bench_result_file_is_left_at_the_repo_root():
