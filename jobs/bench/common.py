@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,7 +79,6 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The shared arguments and the chosen workload's own → one namespace (``args.workload`` set)."""
-    import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     name = workload_of(argv)
     if name not in WORKLOADS:

@@ -13,7 +13,7 @@ MODEL, SHARDS = str(REPO / "models" / "tiny-orthrus-py"), str(REPO / "examples" 
 
 
 def test_bench_reports_ratios_split_and_plot(tmp_path):
-    out = tmp_path / "bench.json"
+    out = tmp_path / "speed.json"
     bench.main(["--batch-sizes", "1,2", "--reps", "1", "--max-new-tokens", "8", "--min-rows", "3",
                 "--no-job", "--threads", "1", "--out", str(out), "--model", MODEL, "--prompts", SHARDS])
     report = json.loads(out.read_text())
