@@ -43,6 +43,7 @@ STOPS = ["\ndef ", "\n\n", "return "]
 
 
 def run_job(config: str, sets: list[str], out: Path) -> dict:
+    """The job (``python -m jobs.generate``) with ``--set`` overrides into ``out`` → its ``summary.json``."""
     cmd = [sys.executable, "-m", "jobs.generate", "--config", config]
     for kv in sets + [f"output.path={out}", "behaviour.overwrite=true"]:
         cmd += ["--set", kv]

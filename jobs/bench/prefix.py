@@ -54,6 +54,7 @@ class PrefixWorkload:
 
     @property
     def row_tokens(self) -> list[int]:
+        """Each prompt's own tokens (after the shared prefix)."""
         return [len(p) - self.shared_tokens for p in self.prompts]
 
 
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_prefix(r: dict) -> None:
+    """The engine prefix section's one printed line."""
     on, off = r["cache_on"], r["cache_off"]
     print(f"shared prefix ({r['shared_prefix_tokens']} tokens, rows' own part {r['row_tokens']['mean']:.1f} "
           f"tokens on average), {r['rows']} rows, {r['slots']} slots: cache on {on['rows_per_s']:.2f} rows/s, "

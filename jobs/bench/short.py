@@ -77,6 +77,7 @@ def bare_engine(rows_path: str, model_path: str, slots: int, max_new: int, runs:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Bare engine, job, bare engine again → the report (printed as it goes)."""
     tmp = Path(tempfile.mkdtemp(prefix="orthrus-bench-short-"))
     (tmp / "in").mkdir()
     pq.write_table(short_rows(args.rows), tmp / "in" / "rows.parquet", row_group_size=args.row_group)

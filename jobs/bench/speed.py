@@ -235,6 +235,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def print_row(b: int, cells: dict) -> None:
+    """One batch size's cells as one printed line."""
     parts = [f"B={b:<4}"]
     for mode in MODES:
         c = cells.get(mode)

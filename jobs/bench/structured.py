@@ -58,10 +58,12 @@ MODES = ("free", "constrained", "constrained_ar", "free_matched", "free_ar", "fr
 
 
 def kind(case: Case) -> str:
+    """The case's constraint kind (json_schema, regex, choice, grammar)."""
     return next(iter(case.structured))
 
 
 def case_of(i: int) -> Case:
+    """The suite case of row ``i`` (the suite in turn)."""
     return SUITE[i % len(SUITE)]
 
 
@@ -77,6 +79,7 @@ def row_params(mode: str, rows: int, max_new: int, matched: list[int] | None = N
 
 
 def speculative_of(mode: str) -> bool:
+    """Whether ``mode`` decodes speculatively (the ``_ar`` modes do not)."""
     return not mode.endswith("_ar")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 def print_batch(b: int, r: dict) -> None:
+    """One batch size's cells, ratios, time split and checks, printed."""
     cells, ratios = r["modes"], r["ratios"]
     print(f"B={b}, {r['rows']} rows:", flush=True)
     for m, c in cells.items():
@@ -40,6 +41,7 @@ def print_summary(report: dict) -> None:
 
 
 def print_validation(v: dict) -> None:
+    """The validation section's counts per kind and its invalid rows, printed."""
     print(f"validation: {v['cases']} cases × {v['prompts']} prompts, greedy and sampled (T={v['temperature']}), "
           f"{v['seconds']:.1f} s", flush=True)
     for k, by in v["by_kind"].items():

@@ -220,6 +220,7 @@ def run(model_dir: str = "models/tiny-orthrus-py", batch_sizes: Sequence[int] = 
 
 
 def print_cell(variant: str, b: int, cells: dict) -> None:
+    """One variant and batch size, one printed line per mode."""
     for mode in ("speculative", "ar"):
         c = cells[mode]
         parts = " | ".join(
