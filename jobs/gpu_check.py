@@ -4,7 +4,7 @@
     python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/engine/test_gpu_check.py)
     python3 -m jobs.gpu_check --only fp32_graphs_vs_eager,sync_debug --out "$OUT"   # a rerun of some steps
 
-Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench`` only: nothing from ``pipeline``
+Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench.speed`` only: nothing from ``pipeline``
 (pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with the reason,
 when the budget has less time left than its estimate or it cannot run here (CUDA only, no
 flash-attn); one that raises is recorded with its error and the next runs; a timer interrupts one
@@ -44,7 +44,8 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from jobs import bench
+from jobs.bench import common
+from jobs.bench import speed as bench
 from jobs.gpu_budget import Budget, Step, guard, write_json
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
@@ -226,10 +227,10 @@ class Check(Budget):
 
     def bench_args(self, eager: bool = False) -> argparse.Namespace:
         """The trimmed bench: rows = B (one wave), few repetitions; eager SDPA (no graphs) if asked."""
-        args = bench.parse_args(["--device", self.device.type, "--model", self.args.model, "--prompts",
-                                 self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
-                                 str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
-                                 "--attention", "sdpa" if eager else "auto"])
+        args = common.parse_args(["speed", "--device", self.device.type, "--model", self.args.model, "--prompts",
+                                  self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
+                                  str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
+                                  "--attention", "sdpa" if eager else "auto"])
         args.cuda_graphs = False if eager else None
         return args
 

@@ -1,4 +1,4 @@
-"""A real S3-protocol endpoint on loopback for the tests and ``jobs/bench_storage.py``: moto's
+"""A real S3-protocol endpoint on loopback for the tests and ``jobs/bench/storage.py``: moto's
 standalone server (``moto[server]``, a test dependency; not needed to run jobs).
 
 Started on 127.0.0.1 on a free port in its own session, stopped through its own process id. The

@@ -17,6 +17,7 @@ from orthrus.model import checkpoint
 from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
 from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
 from orthrus.model.cache import RaggedKVCache
+from orthrus.ranges import named_range, ranged
 
 DEFAULT_BLOCK_SIZE = 32
 
@@ -117,7 +118,8 @@ class OrthrusForCausalLM(PreTrainedModel):
                        diffusion: bool, backend: AttentionBackend) -> torch.Tensor:
         """Run one view on ``input_ids [b, T]`` over the ragged cache through ``backend`` (which
         writes the block's K/V and attends) → final hidden ``[b, T, E]``."""
-        return self.model(input_ids, batch.positions, backend.bind(batch, cache), diffusion)
+        with ranged("draft_forward" if diffusion else "verify_forward"):     # once per forward: free
+            return self.model(input_ids, batch.positions, backend.bind(batch, cache), diffusion)
 
     def forward_dense(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None, diffusion: bool = False) -> torch.Tensor:
@@ -130,6 +132,7 @@ class OrthrusForCausalLM(PreTrainedModel):
         """Plain causal AR view: logits ``[b, T, V]`` for every position."""
         return self.lm_head(self.forward_dense(input_ids))
 
+    @named_range("lm_head")
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: ``[..., E]`` → ``[..., V]``."""
         return self.lm_head(hidden)

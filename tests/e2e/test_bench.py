@@ -1,4 +1,4 @@
-"""jobs/bench.py runs end to end on a small setting and reports every field the README quotes.
+"""python -m jobs.bench (jobs/bench/) runs end to end on a small setting and reports every field docs/performance.md quotes.
 
 Speed itself is never asserted (machines are shared and noisy); this guards the benchmark's shape.
 """
@@ -13,7 +13,7 @@ MODEL, SHARDS = str(REPO / "models" / "tiny-orthrus-py"), str(REPO / "examples" 
 
 
 def test_bench_reports_ratios_split_and_plot(tmp_path):
-    out = tmp_path / "bench.json"
+    out = tmp_path / "speed.json"
     bench.main(["--batch-sizes", "1,2", "--reps", "1", "--max-new-tokens", "8", "--min-rows", "3",
                 "--no-job", "--threads", "1", "--out", str(out), "--model", MODEL, "--prompts", SHARDS])
     report = json.loads(out.read_text())
@@ -44,7 +44,7 @@ def test_gpu_check_script_runs_its_exactness_part_on_cpu():
 def test_bench_shared_prefill_counts_each_prompt_once():
     import torch
 
-    from jobs.bench_job import shared_prefill
+    from jobs.bench.job import shared_prefill
     from orthrus import OrthrusForCausalLM
 
     model = OrthrusForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
@@ -53,7 +53,7 @@ def test_bench_shared_prefill_counts_each_prompt_once():
 
 
 def test_bench_audit_overhead_reports_every_fraction():
-    from jobs.bench_audit import audit_overhead
+    from jobs.bench.job import audit_overhead
 
     report = audit_overhead(MODEL, SHARDS, rows=6, max_new_tokens=8, reps=1, fractions=(0.0, 1.0), slots=2)
     assert set(report["by_fraction"]) == {"0.0", "1.0"} and report["by_fraction"]["0.0"]["x_no_audit"] == 1.0
@@ -62,10 +62,8 @@ def test_bench_audit_overhead_reports_every_fraction():
 
 
 def test_bench_prefix_reports_cache_and_short_outputs(tmp_path):
-    from jobs import bench_prefix
-
-    out = tmp_path / "bench_prefix.json"
-    bench_prefix.main(["--rows", "4", "--prefix-tokens", "120", "--slots", "2", "--max-new-tokens", "4", "--reps", "1",
+    out = tmp_path / "prefix.json"
+    bench.main(["prefix", "--rows", "4", "--prefix-tokens", "120", "--slots", "2", "--max-new-tokens", "4", "--reps", "1",
                        "--short-rows", "24", "--short-slots", "8", "--short-reps", "1", "--no-job",
                        "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
     report = json.loads(out.read_text())
@@ -87,11 +85,10 @@ def test_bench_ab_loads_the_engine_at_a_ref_next_to_the_working_tree(tmp_path):
 
     import pytest
 
-    from jobs import bench_ab
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    out = tmp_path / "bench_ab.json"
-    bench_ab.main(["--before", "HEAD", "--batch-sizes", "2", "--reps", "1", "--max-new-tokens", "4", "--min-rows", "3",
+    out = tmp_path / "ab.json"
+    bench.main(["ab", "--before", "HEAD", "--batch-sizes", "2", "--reps", "1", "--max-new-tokens", "4", "--min-rows", "3",
                    "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"B=2 orthrus", "B=2 ar"} and len(report["before_commit"]) == 40
@@ -100,16 +97,16 @@ def test_bench_ab_loads_the_engine_at_a_ref_next_to_the_working_tree(tmp_path):
 
 
 def test_bench_structured_reports_costs_checks_and_suite_validity(tmp_path, monkeypatch):
-    from jobs import bench_structured
+    from jobs.bench import common, structured
     from jobs.structured_suite import SUITE
 
-    out = tmp_path / "bench_structured.json"
-    bench_structured.main(["--batch-sizes", "2", "--rows", "4", "--reps", "1", "--max-new-tokens", "6",
+    out = tmp_path / "structured.json"
+    bench.main(["structured", "--batch-sizes", "2", "--rows", "4", "--reps", "1", "--max-new-tokens", "6",
                            "--mixed-batch-size", "2", "--validate-prompts", "1", "--validate-max-new-tokens", "12",
                            "--validate-batch-size", "4", "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
     report = json.loads(out.read_text())       # main raises on a failed check: they all passed
     cells = report["results"]["2"]
-    assert set(cells["modes"]) == set(bench_structured.MODES)
+    assert set(cells["modes"]) == set(structured.MODES)
     assert all(c["tokens_per_s"] > 0 and c["tokens_per_cycle"] >= 1 for c in cells["modes"].values())
     assert cells["ratios"]["constrained_over_free tokens_per_s"]["ratio_of_medians"] > 0
     assert cells["ratios"]["constrained_speculative_over_ar tokens_per_s"]["median_of_pair_ratios"] > 0
@@ -128,11 +125,11 @@ def test_bench_structured_reports_costs_checks_and_suite_validity(tmp_path, monk
     assert every["rows"] == 2 * len(SUITE) == every["stop"] + every["length"] and every["stop"] > 0
     assert every["stop_valid"] == every["stop"] and v["invalid"] == []
 
-    # jobs/bench.py --only structured hands its settings to this module and names the output
+    # python -m jobs.bench --only structured hands its parsed settings to this module and names the output
     seen = []
-    monkeypatch.setattr(bench_structured, "main", seen.append)
-    bench.main(["--only", "structured", "--batch-sizes", "1", "--reps", "3", "--out", str(tmp_path / "bench.json")])
-    (argv,) = seen
-    assert argv[argv.index("--out") + 1] == str(tmp_path / "bench_structured.json")
-    assert argv[argv.index("--batch-sizes") + 1] == "1" and argv[argv.index("--reps") + 1] == "3"
-    assert argv[argv.index("--threads") + 1] == "1"
+    monkeypatch.setattr(structured, "main", seen.append)
+    bench.main(["--only", "structured", "--batch-sizes", "1", "--reps", "3", "--results-dir", str(tmp_path)])
+    (args,) = seen
+    assert common.results_path(args) == tmp_path / "structured.json"
+    assert args.batch_sizes == "1" and args.reps == 3
+    assert args.threads == 1

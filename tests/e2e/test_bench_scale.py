@@ -1,9 +1,9 @@
-"""jobs/bench_scale.py runs end to end at a tiny size and reports every field it promises.
+"""The scale benchmark (jobs/bench/scale.py) runs end to end at a tiny size and reports every field it promises.
 
 Speed and memory are never asserted (machines are shared and noisy); this guards the benchmark's
 shape: the null stage's output contract, the synthetic committed output a resume starts from (its
 footers leave exactly the last rows), a fresh run, and the commit path into a local directory and
-an S3 endpoint. (The resume run itself is the same driver; ``python -m jobs.bench_scale --sizes 2k``
+an S3 endpoint. (The resume run itself is the same driver; ``python -m jobs.bench scale --sizes 2k``
 runs it too, in about 30 s more.)
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from jobs import bench_scale
-from jobs.bench_scale_data import swapped_blocks, write_committed, write_inputs
+from jobs import bench
+from jobs.bench import scale as bench_scale
+from jobs.bench.scale_data import swapped_blocks, write_committed, write_inputs
 
 
 
@@ -56,8 +57,8 @@ def test_committed_output_footers_leave_exactly_the_last_rows(tmp_path):
 
 
 def test_bench_scale_smallest_size_runs(tmp_path):
-    out = tmp_path / "bench_scale.json"
-    bench_scale.main(["--sizes", "2k", "--resume-sizes", "", "--commit-rows", "2560", "--max-wall", "300",
+    out = tmp_path / "scale.json"
+    bench.main(["scale", "--sizes", "2k", "--resume-sizes", "", "--commit-rows", "2560", "--max-wall", "300",
                       "--cache", str(tmp_path / "cache"), "--out", str(out)])
     report = json.loads(out.read_text())
     fresh = report["fresh"]["2k"]

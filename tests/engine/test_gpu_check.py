@@ -57,7 +57,7 @@ import jobs.gpu_check
 jobs.gpu_check.main({argv!r})
 print("IMPORTED_BLOCKED", sorted({{m.partition(".")[0] for m in sys.modules}} & BLOCKED))
 try:                       # the control: the job's bench modules do need the blocked stack
-    import jobs.bench_audit
+    import jobs.bench.scale
 except ModuleNotFoundError:
     print("JOB_STACK_BLOCKED")
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs.bench_vocab import full_sort_filter, full_sort_process
+from jobs.bench.vocab import full_sort_filter, full_sort_process
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 

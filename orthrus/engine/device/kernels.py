@@ -19,6 +19,7 @@ from orthrus.engine.outputs import FinishReason
 from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import RaggedKVCache
+from orthrus.ranges import named_range
 from orthrus.sampling import accept, forbid_early_stops, force_reasoning_end, greedy_accept, process, sample
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
@@ -74,6 +75,7 @@ def _close_thinking(st: SlotState, slots: torch.Tensor, emitted: torch.Tensor, n
     st.think_at[slots] = torch.where(early.any(-1), -1, think_at)
 
 
+@named_range("prefill")
 def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: int | None) -> None:
     """Prefill the admitted slots (each prompt prefix at most once) and sample every row's first
     anchor from its own seed; with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""

@@ -12,6 +12,7 @@ import torch
 from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.step import DraftMasks
 from orthrus.engine.transfers import note_transfer
+from orthrus.ranges import named_range
 
 
 def to_staged(bits: np.ndarray) -> np.ndarray:
@@ -34,6 +35,7 @@ def allowed(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]
 
 
+@named_range("device_masking")
 def constrain(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``logits [..., V]`` with the tokens the masks ``bits [..., W]`` refuse set to -inf (a copy)."""
     return logits.masked_fill(~allowed(bits, logits.shape[-1]), float("-inf"))

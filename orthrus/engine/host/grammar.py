@@ -30,6 +30,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from orthrus.constraints import Constraint, ConstraintError, parse_constraint
 from orthrus.engine.host.grammar_limits import check_limits
+from orthrus.ranges import named_range
 
 COMPILED_CACHE = 256      # distinct constraints kept compiled per engine (least recently used dropped)
 # JSON is laid out as ``json.dumps`` does (", " and ": ", no other whitespace): llguidance's default
@@ -161,6 +162,7 @@ class SlotGrammars:
             self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._eos)
         return self._compiler.matcher(c)
 
+    @named_range("host_matcher_admit")
     def admit(self, slots: np.ndarray, constraints: Sequence[Constraint | None],
               thinking: Sequence[bool]) -> np.ndarray | None:
         """Seat a fresh matcher in each slot whose row has a constraint (``thinking``: the row starts
@@ -221,6 +223,7 @@ class SlotGrammars:
         read yet (``count``: tokens recorded per slot); their masks cannot be computed before it."""
         return self.constrained[slots] & (count[slots] == 0)
 
+    @named_range("host_matcher_advance")
     def advance(self, slots: np.ndarray, generated) -> None:
         """Feed each constrained slot's newly recorded tokens (``generated(slot)``: all of its row's
         tokens so far) to its matcher, then recompute the first masks of those still running."""
@@ -256,6 +259,7 @@ class SlotGrammars:
         self.thinking[slot] = False
         return new[end:]
 
+    @named_range("host_masks_along_drafts")
     def path(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """Masks ``[n, K, W]`` for the K verify positions of ``rows`` given their ``drafts [n, K-1]``:
         position j is the mask after the row's tokens and its first j drafts. Past a draft the grammar

@@ -1,5 +1,5 @@
-"""The same greedy job with inputs, model and output on local disk and on an S3 endpoint (part of
-``jobs/bench.py``; also ``python -m jobs.bench_storage``).
+"""Storage: the same greedy job with inputs, model and output on local disk and on an S3 endpoint
+(a section of the speed workload's job part; alone: ``python -m jobs.bench storage``).
 
 The S3 endpoint is moto's server on loopback (``jobs/local_s3.py``): it measures what the object
 store path costs the job (listing, ranged reads of the inputs, one PUT per committed part, the
@@ -23,6 +23,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from jobs.bench import common
 from jobs.local_s3 import CLIENT_ENV, moto_server, s3fs, upload
 
 _ROW_COLUMNS = ["id", "sample_index", "completion", "finish_reason"]
@@ -80,16 +81,14 @@ def storage_vs_local(model_path: str, prompts_dir: str, config: str, rows: int =
             "rows_identical": local_rows.equals(s3_rows)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/tiny-orthrus-py")
-    p.add_argument("--prompts", default="examples/shards")
-    p.add_argument("--config", default="examples/demo.yaml")
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--reps", type=int, default=2)
-    args = p.parse_args(argv)
-    print(json.dumps(storage_vs_local(args.model, args.prompts, args.config, args.rows, args.reps), indent=2))
+def add_args(ap) -> None:
+    """``--rows`` of the job (2 reps each by default)."""
+    ap.add_argument("--rows", type=int, default=256)
+    ap.set_defaults(reps=2)
 
 
-if __name__ == "__main__":
-    main()
+def main(args: argparse.Namespace) -> None:
+    """Local vs S3 → ``bench-results/storage.json``."""
+    report = storage_vs_local(args.model, args.prompts, args.job_config, args.rows, args.reps)
+    print(json.dumps(report, indent=2))
+    common.write_report(args, report)

@@ -1,4 +1,6 @@
-"""The Ray Data job against the bare engine, on the same rows (part of ``jobs/bench.py``, CPU only).
+"""The job around the engine: the speed workload's job sections (CPU, with ``--job``; ``job_sections``).
+
+``job_vs_engine``: the Ray Data job against the bare engine, on the same rows.
 
 ``skewed_job``: a length-skewed workload (per-row ``max_new_tokens`` spread 8 … 256, stop strings
 that end rows at varied points) run three ways in one go: the bare engine with every row in one
@@ -7,12 +9,24 @@ design); and the same job with one batch at a time (``engine.max_concurrent_batc
 drains at every batch boundary, the design before the streaming engine). Ratios of steady
 tokens/s (from the first committed block on, so Ray's and the model's start-up are left out) and
 the job's mean slot occupancy are what to read.
+
+``audit_overhead``: what the lossless audit costs. The generation actor's stage runs in this
+process (no Ray) over one batch of held-out prompts, greedy, with ``audit.fraction`` 0, 0.05 and 1;
+the three are interleaved ``reps`` times and the median batch time of each is compared with
+fraction 0 measured in the same run. Reported: the audited rows and the slowdown. The audited rows
+also must all match (float32).
+
+Also: ``shared_prefill`` (n samples per prompt prefill once), ``stop_string_waste`` (tokens decoded
+after a stop string, before and now), and the storage (``storage.py``) and scale (``scale.py``)
+sections.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,12 +42,23 @@ from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 STOPS = ["\ndef ", "\n\n", "return "]
 
 
-def _run_job(config: str, sets: list[str], out: Path) -> dict:
+def run_job(config: str, sets: list[str], out: Path) -> dict:
+    """The job (``python -m jobs.generate``) with ``--set`` overrides into ``out`` → its ``summary.json``."""
     cmd = [sys.executable, "-m", "jobs.generate", "--config", config]
     for kv in sets + [f"output.path={out}", "behaviour.overwrite=true"]:
         cmd += ["--set", kv]
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
     return json.loads((out / "summary.json").read_text())
+
+
+def actor_budget_run(module: str, *argv: str) -> dict:
+    """``python -m module *argv`` in its own process with a generation actor's thread budget → the
+    JSON of its last output line. The actor has 1 CPU, and Ray sets OMP_NUM_THREADS=1 for it, which
+    also caps the BLAS/OpenMP pools that torch.set_num_threads(1) alone leaves at the core count
+    (measured here: ~10-20% faster than the actor's budget on a 2-core VM)."""
+    out = subprocess.run([sys.executable, "-m", module, *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         check=True, capture_output=True, text=True, timeout=3600).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def skewed_rows(prompts_dir: str, rows: int, seed: int = 0) -> pa.Table:
@@ -56,21 +81,15 @@ def skewed_job(model_path: str, prompts_dir: str, config: str, rows: int = 256) 
             f"input.paths=[{tmp / 'in'}]", f"model.path={model_path}"]
     report: dict = {"rows": rows, "stops": STOPS, "max_new_tokens": "8..256 log-uniform"}
     for name, extra in (("streaming", []), ("batch_at_a_time", ["engine.max_concurrent_batches=1"])):
-        summary = _run_job(config, sets + extra, tmp / name)
+        summary = run_job(config, sets + extra, tmp / name)
         run = summary["run"]
         report[name] = {"steady_tokens_per_s": run["steady_tokens_per_second"], "wall_s": run["wall_seconds"],
                         "slot_occupancy": run["slot_occupancy"], "slot_occupancy_whole_run": run["slot_occupancy_whole_run"],
                         "tokens": run["completion_tokens"], "decoded_after_stop": summary["tokens"]["decoded_after_stop"],
                         "finish_reason": summary["rows"]["finish_reason"]}
         slots = int(summary["config"]["engine"]["max_batch_size"])
-    # The baseline gets the actor's thread budget: the actor has 1 CPU, and Ray sets OMP_NUM_THREADS=1
-    # for it, which also caps the BLAS/OpenMP pools that torch.set_num_threads(1) alone leaves at
-    # the core count (measured here: ~10-20% faster than the actor's budget on this 2-core VM).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "jobs.bench_job", str(tmp / "in" / "rows.parquet"), model_path, str(slots),
-           json.dumps(STOPS)]
-    bare_run = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
-                                         timeout=3600).stdout.splitlines()[-1])
+    bare_run = actor_budget_run("jobs.bench.job", str(tmp / "in" / "rows.parquet"), model_path, str(slots),
+                                json.dumps(STOPS))
     bare = max(bare_run["tokens_per_s"])
     report["bare_engine_tokens_per_s"] = bare
     report["bare_engine_runs_tokens_per_s"] = bare_run["tokens_per_s"]
@@ -86,7 +105,7 @@ def job_vs_engine(model: OrthrusForCausalLM, model_path: str, prompts: list[list
     """The Ray Data job (embedded Ray, demo config, raw prompts, no stop strings) vs the bare engine
     on the same token ids, slots and sampling: the pipeline's overhead as a throughput ratio."""
     out = Path(tempfile.mkdtemp(prefix="orthrus-bench-job-")) / "out"
-    summary = _run_job(config, ["prompt.chat_template=off", "sampling.stop=[]",
+    summary = run_job(config, ["prompt.chat_template=off", "sampling.stop=[]",
                                 f"sampling.max_new_tokens={max_new_tokens}", "engine.speculative=true",
                                 f"model.path={model_path}"], out)
     run = summary["run"]
@@ -111,7 +130,6 @@ def stop_string_waste(config_path: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from pipeline.rows import schema as S
     from pipeline.config import load_config
     from pipeline.run.job import preflight
     from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
@@ -176,5 +194,67 @@ def bare_engine(rows_path: str, model_path: str, slots: int, stops: list[str], r
     return {"tokens_per_s": rates, "slot_occupancy": engine.stats.busy_slot_iterations / (engine.stats.iterations * slots)}
 
 
-if __name__ == "__main__":   # python -m jobs.bench_job ROWS.parquet MODEL SLOTS STOPS_JSON (skewed_job's baseline)
+def audit_overhead(model_dir: str, prompts_dir: str, rows: int = 64, max_new_tokens: int = 64, reps: int = 3,
+                   fractions: tuple[float, ...] = (0.0, 0.05, 1.0), slots: int = 8) -> dict:
+    """Median batch seconds per audit fraction, and each one's ratio to no audit."""
+    from pipeline.actor.stage import GenerationStage, StagePlan
+    from pipeline.config import AuditConfig, load_config
+    from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+    from pipeline.rows.source import read_file
+    from pipeline.run.job import preflight
+
+    texts = pads.dataset(prompts_dir, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()
+    tmp = Path(tempfile.mkdtemp(prefix="orthrus-bench-audit-"))
+    (tmp / "in").mkdir()
+    pq.write_table(pa.table({"id": [f"a{i}" for i in range(rows)], "prompt": [texts[i % len(texts)] for i in range(rows)]}),
+                   tmp / "in" / "rows.parquet")
+    cfg = load_config(None, data={"input": {"paths": [str(tmp / "in")]}, "output": {"path": str(tmp / "out")},
+                                  "model": {"path": model_dir}, "prompt": {"chat_template": "off"},
+                                  "sampling": {"max_new_tokens": max_new_tokens},
+                                  "engine": {"max_batch_size": slots, "dtype": "float32"}})
+    inputs = preflight(cfg).inputs
+    batch = preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt, cfg.sampling))
+    stages = {f: GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
+                                           audit=AuditConfig(fraction=f, max_batch_size=max(1, slots // 2))))
+              for f in fractions}
+    seconds: dict[float, list[float]] = {f: [] for f in fractions}
+    audited: dict[float, tuple[int, int]] = {}
+    for _ in range(reps):
+        for f, stage in stages.items():
+            start = time.perf_counter()
+            out = asyncio.run(stage(batch)).to_pylist()
+            seconds[f].append(time.perf_counter() - start)
+            flags = [r["audit_match"] for r in out if r["audit_match"] is not None]
+            audited[f] = (len(flags), sum(flags))
+    base = statistics.median(seconds[fractions[0]])
+    return {"rows": rows, "max_new_tokens": max_new_tokens, "slots": slots, "reps": reps,
+            "by_fraction": {str(f): {"median_batch_s": round(statistics.median(s), 3),
+                                     "x_no_audit": round(statistics.median(s) / base, 3),
+                                     "rows_audited": audited[f][0], "exact_matches": audited[f][1]}
+                            for f, s in seconds.items()}}
+
+
+def job_sections(report: dict, args, model: OrthrusForCausalLM, prompts) -> None:
+    """The job around the engine (CPU): Ray Data job vs bare engine, audit, storage, scale."""
+    from jobs.bench import scale, storage
+    report["job_vs_engine"] = job_vs_engine(model, args.model, prompts, args.job_config, args.max_new_tokens)
+    print(f"Ray Data job vs bare engine: {report['job_vs_engine']}", flush=True)
+    report["skewed_job"] = skewed_job(args.model, args.prompts, args.job_config, args.skewed_rows)
+    print(f"Length-skewed workload, job vs bare engine: {report['skewed_job']}", flush=True)
+    report["shared_prefill"] = shared_prefill(model, prompts[:16])
+    print(f"n = 4 samples per prompt, prefill: {report['shared_prefill']}", flush=True)
+    report["stop_strings"] = stop_string_waste(args.job_config)
+    print(f"Tokens decoded after stop strings (demo job rows): {report['stop_strings']}", flush=True)
+    report["audit_overhead"] = audit_overhead(args.model, args.prompts)
+    print(f"Lossless audit, batch time by audit.fraction: {report['audit_overhead']}", flush=True)
+    report["storage"] = storage.storage_vs_local(args.model, args.prompts, args.job_config)
+    print(f"Same job, local disk vs an S3 endpoint on loopback: {report['storage']}", flush=True)
+    if args.scale_sizes:
+        sizes = [x for x in args.scale_sizes.split(",") if x.strip()]
+        report["scale"] = scale.scale_report(sizes, scale.resume_sizes_for(sizes))
+        print("The job around the engine at scale (null stage):\n"
+              + scale.render_targets(report["scale"]["targets"]), flush=True)
+
+
+if __name__ == "__main__":   # python -m jobs.bench.job ROWS.parquet MODEL SLOTS STOPS_JSON (skewed_job's baseline)
     print(json.dumps(bare_engine(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))

@@ -1,5 +1,5 @@
 """The job around the engine at scale: driver start-up, driver memory, resume and the commit path
-(part of ``jobs/bench.py`` as its ``scale`` section; also ``python -m jobs.bench_scale``).
+(a section of the speed workload's job part; alone: ``python -m jobs.bench scale``).
 
 Generation is near-free: :class:`NullStage` stands in for the generation actor and returns every
 batch as finished rows (``finish_reason`` "length", an empty completion, no model), so what is
@@ -7,11 +7,11 @@ measured is everything else: preflight, Ray Data's read/preprocess graph, the dr
 loop, resume and the summary. Inputs are short one-line prompts in the same number of files
 (``FILES``) at every size; they and the committed outputs are generated once into ``--cache``.
 
-1. ``fresh``: one driver process per size (``python -m jobs.bench_scale --driver``: preflight, the
+1. ``fresh``: one driver process per size (``python -m jobs.bench.scale --driver``: preflight, the
    lease and ``run`` with the null stage on an embedded local Ray), stopped by
    ``behaviour.max_wall_seconds`` shortly after the first batch (exit status 1 then). Start-up is
    from the process's spawn to the first batch reaching an actor; RSS is the driver's ``ru_maxrss``.
-2. ``resume``: the same into an output holding every row but the last 1,000 (``bench_scale_data``),
+2. ``resume``: the same into an output holding every row but the last 1,000 (``scale_data.py``),
    with ``behaviour.resume`` to completion; start-up and RSS against the fresh run of that size,
    and the time the end-of-run summary took.
 3. ``commit_path``: pre-built stage output blocks (64 rows) through ``CommitLoop`` + ``PartWriter``
@@ -38,7 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.bench_scale_data import (BLOCK, FILES, REPO, copy_output, ids_of, job_config, swapped_blocks,
+from jobs.bench import common
+from jobs.bench.scale_data import (BLOCK, FILES, REPO, copy_output, ids_of, job_config, swapped_blocks,
                                    write_committed, write_inputs)
 from pipeline.rows import schema as S
 from pipeline.rows.request import REQUEST
@@ -145,7 +146,7 @@ def drive(config: dict, ray_tmp: Path, timeout: float) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(ray_tmp)}
     env.pop("RAY_ADDRESS", None)
     spawned = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.bench_scale", "--driver", json.dumps([spawned, config])],
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.bench.scale", "--driver", json.dumps([spawned, config])],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -344,30 +345,26 @@ def scale_report(sizes: list[str] = ("0.2M", "2M", "20M"), resume_sizes: list[st
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="0.2M,2M,20M", help="input rows of the fresh runs (the first is the baseline)")
-    p.add_argument("--resume-sizes", default=None,
-                   help="sizes of the resume runs (default: those of 2M and more, else the largest; '' for none)")
-    p.add_argument("--cache", default="/tmp/orthrus-bench-scale", help="where inputs and outputs are generated once")
-    p.add_argument("--max-wall", type=float, default=60.0, help="behaviour.max_wall_seconds of the fresh runs")
-    p.add_argument("--commit-rows", type=int, default=1_000_000, help="rows through the commit path (0: skip)")
-    p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 commit path")
-    p.add_argument("--out", default="bench_scale.json")
-    p.add_argument("--driver", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.driver is not None:
-        spawned, config = json.loads(args.driver)
-        return driver(spawned, config)
+def add_args(ap) -> None:
+    """The scale workload's own arguments."""
+    ap.add_argument("--sizes", "--scale-sizes", dest="sizes", default="0.2M,2M,20M",
+                    help="input rows of the fresh runs (the first is the baseline)")
+    ap.add_argument("--resume-sizes", default=None,
+                    help="sizes of the resume runs (default: those of 2M and more, else the largest; '' for none)")
+    ap.add_argument("--cache", default="/tmp/orthrus-bench-scale", help="where inputs and outputs are generated once")
+    ap.add_argument("--max-wall", type=float, default=60.0, help="behaviour.max_wall_seconds of the fresh runs")
+    ap.add_argument("--commit-rows", type=int, default=1_000_000, help="rows through the commit path (0: skip)")
+    ap.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 commit path")
+
+
+def main(args: argparse.Namespace) -> None:
+    """Every measurement → ``bench-results/scale.json`` (and the targets, printed)."""
     split = lambda s: [x for x in s.split(",") if x.strip()]  # noqa: E731
     resume = resume_sizes_for(split(args.sizes)) if args.resume_sizes is None else split(args.resume_sizes)
-    report = scale_report(split(args.sizes), resume, args.cache, args.max_wall,
-                          args.commit_rows, args.s3)
-    text = json.dumps(report, indent=2)
-    print(text)
+    report = scale_report(split(args.sizes), resume, args.cache, args.max_wall, args.commit_rows, args.s3)
+    print(json.dumps(report, indent=2))
     print(render_targets(report["targets"]))
-    Path(args.out).write_text(text)
-    return 0
+    common.write_report(args, report)
 
 
 def render_targets(checks: dict) -> str:
@@ -378,5 +375,5 @@ def render_targets(checks: dict) -> str:
                      + (f" -- {c['why']}" if "why" in c else "") for name, c in checks.items())
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":      # python -m jobs.bench.scale --driver JSON: one driver process of ``drive``
+    sys.exit(driver(*json.loads(sys.argv[2])))

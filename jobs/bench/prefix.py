@@ -1,9 +1,9 @@
 """Prefix cache and short outputs: what the engine saves on shared prompt prefixes, and what a
 speculative engine costs on rows that end after one or a few tokens.
 
-    python -m jobs.bench --only prefix          # writes bench_prefix.json next to --out
-    python -m jobs.bench_prefix --no-job         # the same without the Ray job part, printed
-    python -m jobs.bench_prefix --sections short --out short.json
+    python -m jobs.bench prefix                 # writes bench-results/prefix.json
+    python -m jobs.bench prefix --no-job        # the same without the Ray job part
+    python -m jobs.bench prefix --sections short --out short.json
 
 Sections (``--sections``; the bundled model in float32, greedy, ``--threads`` torch threads):
 
@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.dataset as pads
 import torch
 
+from jobs.bench import common
+from jobs.bench.common import med, pair_ratio
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 
 INSTRUCTION = ("# Complete the body of the last function below. It follows the conventions of the\n"
@@ -53,6 +54,7 @@ class PrefixWorkload:
 
     @property
     def row_tokens(self) -> list[int]:
+        """Each prompt's own tokens (after the shared prefix)."""
         return [len(p) - self.shared_tokens for p in self.prompts]
 
 
@@ -104,9 +106,7 @@ def timed_generate(engine: OrthrusEngine, prompts: list[list[int]], max_new: int
                    speculative: bool | str | None = None) -> dict:
     """One greedy ``generate`` → seconds, rows/s, tokens/s, prompt tokens computed and copied, the ids."""
     p0, h0 = engine.stats.prefill_tokens, engine.stats.prefix_cache_hit_tokens
-    start = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new), speculative=speculative)
-    seconds = time.perf_counter() - start
+    seconds, outs = common.time_generate(engine, prompts, SamplingParams(max_new_tokens=max_new), speculative)
     return {"seconds": seconds, "rows_per_s": len(prompts) / seconds,
             "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
             "prefill_tokens": engine.stats.prefill_tokens - p0,
@@ -116,26 +116,9 @@ def timed_generate(engine: OrthrusEngine, prompts: list[list[int]], max_new: int
 def interleaved(runs: dict, reps: int) -> tuple[dict[str, list[dict]], dict[str, dict], bool]:
     """``reps`` + 1 rounds of every ``runs[name]()`` in rotating order (round 0: warm-up) →
     (the timed samples by name, round 0's by name, whether every run gave the same token ids)."""
-    names, samples, first, ids, same = list(runs), {n: [] for n in runs}, {}, None, True
-    for rep in range(reps + 1):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            cell = runs[name]()
-            same = same and (ids is None or cell["ids"] == ids)
-            ids = cell.pop("ids")
-            if rep:
-                samples[name].append(cell)
-            else:
-                first[name] = cell
-    return samples, first, same
-
-
-def med(cells: list[dict], key: str) -> float:
-    return statistics.median(c[key] for c in cells)
-
-
-def pair_ratio(a: list[dict], b: list[dict], key: str) -> float:
-    """Median over rounds of a[i][key] ÷ b[i][key] (same round: the same machine load)."""
-    return statistics.median(x[key] / y[key] for x, y in zip(a, b))
+    r = common.rounds(runs, reps)
+    every = [ids for runs_ids in r.ids.values() for ids in runs_ids]
+    return r.samples, r.first, all(ids == every[0] for ids in every)
 
 
 def engine_prefix(model: OrthrusForCausalLM, w: PrefixWorkload, slots: int = 8, max_new: int = 64,
@@ -179,7 +162,7 @@ def job_prefix(model_path: str, w: PrefixWorkload, config: str, slots: int = 8, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from jobs.bench_job import _run_job
+    from jobs.bench.job import run_job
     tmp = Path(tempfile.mkdtemp(prefix="orthrus-bench-prefix-"))
     (tmp / "in").mkdir()
     pq.write_table(pa.table({"id": [f"p{i:04d}" for i in range(len(w.row_texts))],
@@ -190,7 +173,7 @@ def job_prefix(model_path: str, w: PrefixWorkload, config: str, slots: int = 8, 
     report: dict = {"rows": len(w.row_texts), "slots": slots}
     for name, on in (("cache_on", True), ("cache_off", False)):
         try:
-            summary = _run_job(config, sets + [f"engine.prefix_cache={str(on).lower()}"], tmp / name)
+            summary = run_job(config, sets + [f"engine.prefix_cache={str(on).lower()}"], tmp / name)
         except subprocess.CalledProcessError as e:        # recorded: the engine section's numbers stay
             return {**report, "error": f"{name}: exit {e.returncode}: {e.stderr.decode()[-2000:]}"}
         run = summary["run"]
@@ -240,38 +223,29 @@ def short_outputs(model: OrthrusForCausalLM, prompts: list[list[int]], slots: in
     return report
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/tiny-orthrus-py")
-    ap.add_argument("--prompts", default="examples/shards", help="held-out Parquet shards (prompt, reference)")
+def add_args(ap) -> None:
+    """The prefix workload's own arguments (3 reps and one thread by default)."""
     ap.add_argument("--sections", default="prefix,short", help="comma list of prefix, short")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--prefix-tokens", type=int, default=1000, help="target length of the shared prefix")
     ap.add_argument("--row-tokens", default="20,80", help="min,max tokens of each row's own part")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--speculative", default="true", choices=["true", "false", "auto"],
                     help="the engines' mode in the prefix section")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions after a warm-up (prefix section)")
     ap.add_argument("--short-rows", type=int, default=4096)
     ap.add_argument("--short-prompt-tokens", type=int, default=3)
     ap.add_argument("--short-slots", type=int, default=64)
     ap.add_argument("--short-max-new", default="1,4")
     ap.add_argument("--short-reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the issue measured with one)")
-    ap.add_argument("--job", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run the prefix workload through the Ray Data job (cache on vs off)")
-    ap.add_argument("--job-config", default="examples/demo.yaml")
-    ap.add_argument("--out", default=None, help="write the report here (JSON)")
-    return ap.parse_args(argv)
+    ap.set_defaults(reps=3, threads=1)    # reps: of the prefix section; the issue measured with one thread
 
 
 def run(args: argparse.Namespace) -> dict:
     """Every section asked for → the report (printed as it goes)."""
     from transformers import AutoTokenizer
-    torch.set_num_threads(args.threads)
+    common.set_threads(args)
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = common.load_model(args.model)
     sections = [s for s in args.sections.split(",") if s]
     spec = {"true": True, "false": False, "auto": "auto"}[args.speculative]
     report: dict = {"model": args.model, "threads": torch.get_num_threads()}
@@ -291,6 +265,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_prefix(r: dict) -> None:
+    """The engine prefix section's one printed line."""
     on, off = r["cache_on"], r["cache_off"]
     print(f"shared prefix ({r['shared_prefix_tokens']} tokens, rows' own part {r['row_tokens']['mean']:.1f} "
           f"tokens on average), {r['rows']} rows, {r['slots']} slots: cache on {on['rows_per_s']:.2f} rows/s, "
@@ -300,13 +275,6 @@ def print_prefix(r: dict) -> None:
           f"off: {off['prefill_tokens_per_row']:.1f}); completions identical: {r['completions_identical']}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    report = run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+def main(args: argparse.Namespace) -> None:
+    """The sections asked for → ``bench-results/prefix.json``."""
+    common.write_report(args, run(args))

@@ -1,4 +1,4 @@
-"""Synthetic inputs and committed outputs for ``jobs/bench_scale.py`` (cached under a /tmp dir).
+"""Synthetic inputs and committed outputs for the scale workload (``scale.py``) (cached under a /tmp dir).
 
 Inputs: ``FILES`` Parquet files of one-line prompts with an ``id`` column (``f<file>-<row>``, zero
 padded, so files hold disjoint id ranges as sharded inputs do) and a small pass-through column,
@@ -6,7 +6,7 @@ written in row groups of ``ROW_GROUP`` rows with a ``ParquetWriter`` (memory bou
 
 Committed outputs (the state ``--resume`` starts from): every row of every input file except the
 last ``left`` rows of the last file, committed through the job's own writer (``OutputDir`` +
-``PartWriter`` at the default ``output.part_bytes``) as the rows :class:`jobs.bench_scale.NullStage`
+``PartWriter`` at the default ``output.part_bytes``) as the rows :class:`jobs.bench.scale.NullStage`
 returns, so each part's footer holds real sources and aggregates. Rows are added in 64-row blocks
 with each pair of neighbouring blocks swapped (as actors return batches out of order), so a footer
 holds one run per block, as a real run's does, not one run per file.
@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "models" / "tiny-orthrus-py")
 FILES = 20
 ROW_GROUP = 100_000

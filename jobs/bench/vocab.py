@@ -1,8 +1,7 @@
 """Sampling at Qwen3's vocabulary (V = 151,936): what top-k / top-p cost per engine call, before and
 after issue #23 (top-k / top-p without sorting the whole vocabulary).
 
-    python -m jobs.bench --only vocab          # writes bench_vocab.json next to --out
-    python -m jobs.bench_vocab                 # the same, printed (--out to keep the JSON)
+    python -m jobs.bench vocab                 # writes bench-results/vocab.json
 
 Model: random weights with the bundled model's shapes (``models/tiny-orthrus-py/config.json``) but
 Qwen3's vocabulary (151,936, mask token 151,669), in two variants: "flat" as initialised (a random
@@ -25,16 +24,14 @@ depend on that.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from transformers import Qwen3Config
 
+from jobs.bench import common
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, rng, sampling
 from orthrus.engine.device import kernels as decode
 from orthrus.sampling import SamplingTensors
@@ -169,8 +166,7 @@ def bench_cell(model: OrthrusForCausalLM, b: int, tokens: int, reps: int, seed: 
             run_once(engine, prompts, setting, spec, 2)
     for rep in range(reps):
         for mode, spec in modes.items():
-            order = SETTINGS[rep % 3:] + SETTINGS[: rep % 3]            # rotated: drift hits every setting
-            for setting in order:
+            for setting in common.rotated(SETTINGS, rep):                # drift hits every setting
                 runs[mode, setting].append(run_once(engine, prompts, setting, spec, tokens))
     cells: dict = {"tokens_per_row": tokens}
     for mode in modes:
@@ -183,7 +179,7 @@ def bench_cell(model: OrthrusForCausalLM, b: int, tokens: int, reps: int, seed: 
 
 
 def _median(samples: list[dict]) -> dict:
-    cell = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    cell = common.median_cell(samples)
     cell["tokens_per_s"] = cell["tokens"] / cell["seconds"]
     cell["ms_per_call"] = 1000 * cell["seconds"] / cell["calls"]
     for part in (*CallSplit.PARTS, "rest"):
@@ -224,6 +220,7 @@ def run(model_dir: str = "models/tiny-orthrus-py", batch_sizes: Sequence[int] = 
 
 
 def print_cell(variant: str, b: int, cells: dict) -> None:
+    """One variant and batch size, one printed line per mode."""
     for mode in ("speculative", "ar"):
         c = cells[mode]
         parts = " | ".join(
@@ -235,20 +232,14 @@ def print_cell(variant: str, b: int, cells: dict) -> None:
               f"{c['full_sort_over_sampled']:.2f}x", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/tiny-orthrus-py", help="shapes only: the weights are random")
-    ap.add_argument("--batch-sizes", default="1,8,32")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=48, help="at B = 1 (fewer for larger batches)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: other load cannot stall a pool)")
-    ap.add_argument("--out", default=None, help="also write the report here (JSON)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    report = run(args.model, [int(x) for x in args.batch_sizes.split(",")], args.reps, args.max_new_tokens)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+def add_args(ap) -> None:
+    """Its defaults: batch sizes 1,8,32, 3 reps, 48 new tokens at B = 1 (fewer for larger batches),
+    one thread (other load cannot stall a pool); ``--model`` gives the shapes only (random weights)."""
+    ap.set_defaults(batch_sizes="1,8,32", reps=3, max_new_tokens=48, threads=1)
 
 
-if __name__ == "__main__":
-    main()
+def main(args: argparse.Namespace) -> None:
+    """Every variant × ``--batch-sizes`` → ``bench-results/vocab.json``."""
+    common.set_threads(args)
+    report = run(args.model, common.batch_sizes(args, "1,8,32"), args.reps, args.max_new_tokens)
+    common.write_report(args, report)

@@ -1,8 +1,8 @@
 """No workload gets slower: the engine at a git ref and the working tree's engine, side by side in ONE
 process, on the plain benchmark workload (no shared prefixes).
 
-    python -m jobs.bench --only ab                  # --before HEAD; writes bench_ab.json next to --out
-    python -m jobs.bench_ab --before 3e018ee --out bench_ab.json
+    python -m jobs.bench ab                         # --before HEAD; writes bench-results/ab.json
+    python -m jobs.bench ab --before 3e018ee
 
 ``orthrus/`` at ``--before`` is extracted with ``git archive`` into a temporary directory as the
 package ``orthrus_before`` (its absolute ``orthrus`` imports rewritten) and imported next to the
@@ -20,20 +20,19 @@ import atexit
 import importlib
 import inspect
 import io
-import json
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from jobs.bench import common
+from jobs.bench.common import REPO
+
 MODES = {"orthrus": True, "ar": False}
 _IMPORT = re.compile(r"^(\s*)(from|import)(\s+)orthrus\b", re.M)
 
@@ -75,44 +74,35 @@ def make_engine(pkg, model, b: int, max_seq_len: int):
     return pkg.OrthrusEngine(model, **{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def timed(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool) -> tuple[float, list]:
-    """One greedy ``generate`` → (tokens/s, the token ids)."""
+def timed(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool) -> dict:
+    """One greedy ``generate`` → tokens/s and the token ids."""
     params = [pkg.SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params, speculative=speculative)
-    seconds = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs]
+    seconds, outs = common.time_generate(engine, prompts, params, speculative)
+    return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "ids": [o.token_ids for o in outs]}
 
 
 def ab_cell(sides: dict, prompts: list[list[int]], max_new: int, speculative: bool, reps: int) -> dict:
     """Interleaved old/new pairs on one workload (order alternating; pair 0 a warm-up) → the cell.
     ``sides``: name ("old", "new") → (package, engine)."""
-    rates: dict[str, list[float]] = {"old": [], "new": []}
-    ids: dict[str, list] = {}
-    for rep in range(reps + 1):
-        for side in (("old", "new") if rep % 2 else ("new", "old")):
-            pkg, engine = sides[side]
-            rate, ids[side] = timed(pkg, engine, prompts, max_new, speculative)
-            if rep:
-                rates[side].append(rate)
-    old, new = statistics.median(rates["old"]), statistics.median(rates["new"])
+    r = common.rounds({side: (lambda side=side: timed(*sides[side], prompts, max_new, speculative))
+                       for side in ("new", "old")}, reps)
+    samples = r.samples
+    old, new = common.med(samples["old"], "tok_s"), common.med(samples["new"], "tok_s")
     return {"old_tok_s": old, "new_tok_s": new, "ratio_of_medians": new / old,
-            "median_of_pair_ratios": statistics.median(n / o for n, o in zip(rates["new"], rates["old"])),
-            "old_runs_tok_s": rates["old"], "new_runs_tok_s": rates["new"],
-            "tokens_identical": ids["old"] == ids["new"]}
+            "median_of_pair_ratios": common.pair_ratio(samples["new"], samples["old"], "tok_s"),
+            "old_runs_tok_s": [c["tok_s"] for c in samples["old"]],
+            "new_runs_tok_s": [c["tok_s"] for c in samples["new"]],
+            "tokens_identical": r.ids["old"][-1] == r.ids["new"][-1]}
 
 
 def run(before: str, model_dir: str, prompts_dir: str, sizes: list[int], reps: int, max_new: int,
         min_rows: int) -> dict:
     """Old vs new per batch size and mode → the report (printed as it goes)."""
-    from transformers import AutoTokenizer
-
     import orthrus as new_pkg
-    from jobs.prompt_ids import load_prompt_ids
     old_pkg = load_before(before)
     models = {side: pkg.OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
               for side, pkg in (("old", old_pkg), ("new", new_pkg))}
-    prompts = load_prompt_ids(AutoTokenizer.from_pretrained(model_dir), prompts_dir)
+    prompts = common.load_prompts(model_dir, prompts_dir)[1]
     report: dict = {**describe(before), "model": model_dir, "threads": torch.get_num_threads(), "reps": reps,
                     "max_new_tokens": max_new, "min_rows": min_rows, "results": {}}
     for b in sizes:
@@ -129,24 +119,15 @@ def run(before: str, model_dir: str, prompts_dir: str, sizes: list[int], reps: i
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap) -> None:
+    """``--before`` (the old engine's git ref); batch sizes default to 1,4,16,64, one thread."""
     ap.add_argument("--before", default="HEAD", help="git ref of the old engine (default HEAD: the last commit)")
-    ap.add_argument("--model", default="models/tiny-orthrus-py")
-    ap.add_argument("--prompts", default="examples/shards")
-    ap.add_argument("--batch-sizes", default="1,4,16,64")
-    ap.add_argument("--reps", type=int, default=5, help="timed pairs per cell after a warm-up pair")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--min-rows", type=int, default=16, help="prompts per run: max(B, this)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="bench_ab.json")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    report = run(args.before, args.model, args.prompts, [int(x) for x in args.batch_sizes.split(",")], args.reps,
+    ap.set_defaults(batch_sizes="1,4,16,64", threads=1)
+
+
+def main(args: argparse.Namespace) -> None:
+    """Old vs new at ``--batch-sizes`` → ``bench-results/ab.json``."""
+    common.set_threads(args)
+    report = run(args.before, args.model, args.prompts, common.batch_sizes(args, "1,4,16,64"), args.reps,
                  args.max_new_tokens, args.min_rows)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    common.write_report(args, report)

@@ -1,7 +1,6 @@
 """Structured output: what grammar constraints cost the engine, and whether every completion is valid.
 
-    python -m jobs.bench --only structured      # writes bench_structured.json next to --out
-    python -m jobs.bench_structured --out bench_structured.json
+    python -m jobs.bench structured             # writes bench-results/structured.json
 
 The bundled model in float32 on the held-out prompts, ``--threads`` torch threads (one by default:
 on a shared CPU other processes' load stalls torch's thread pool). Row ``i`` of a timed run is
@@ -34,35 +33,37 @@ Also, per batch size: device→host reads per iteration of each mode (an unconst
 budget is 1; a constrained cycle reads its drafts back once more), and a time split of warm runs
 of each speculative mode (medians of up to 3; per iteration: draft / verify forwards, LM head,
 prefill, the grammar's host work — masks along the drafted path, matcher advance, admission —
-the device-side masking, and the rest). Every check is recorded under ``checks``; the report is written, then a
+the device-side masking, and the rest: the engine's named ranges read from a ``torch.profiler``
+profile of the run, ``profile.py``). Every check is recorded under ``checks``; the report is written, then a
 failed check raises.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import torch
 
-from jobs.part_timer import PARTS, PartTimer
-from jobs.prompt_ids import load_prompt_ids
+from jobs.bench import common
+from jobs.bench.common import med
+from jobs.bench.profile import PARTS, profiled
+from jobs.bench.structured_print import print_batch, print_summary, print_validation
 from jobs.structured_suite import SUITE, Case, valid
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams, tokens_per_cycle
-from orthrus.testing.host_syncs import count_host_reads, host_reads
 
 SPECULATIVE_MODES = ("free", "constrained", "mixed")     # the modes that are timed split by part
 MODES = ("free", "constrained", "constrained_ar", "free_matched", "free_ar", "free_plain", "mixed")
 
 
 def kind(case: Case) -> str:
+    """The case's constraint kind (json_schema, regex, choice, grammar)."""
     return next(iter(case.structured))
 
 
 def case_of(i: int) -> Case:
+    """The suite case of row ``i`` (the suite in turn)."""
     return SUITE[i % len(SUITE)]
 
 
@@ -78,6 +79,7 @@ def row_params(mode: str, rows: int, max_new: int, matched: list[int] | None = N
 
 
 def speculative_of(mode: str) -> bool:
+    """Whether ``mode`` decodes speculatively (the ``_ar`` modes do not)."""
     return not mode.endswith("_ar")
 
 
@@ -91,9 +93,7 @@ def run_mode(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, ma
     """One timed greedy ``generate`` of ``mode`` → the cell (with the token ids under ``ids``)."""
     params = row_params(mode, len(prompts), max_new, matched)
     it0, busy0 = engine.stats.iterations, engine.stats.busy_slot_iterations
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params, speculative=speculative_of(mode))
-    seconds = time.perf_counter() - start
+    seconds, outs = common.time_generate(engine, prompts, params, speculative_of(mode))
     iters, busy = engine.stats.iterations - it0, engine.stats.busy_slot_iterations - busy0
     tokens = sum(len(o.token_ids) for o in outs)
     row_iters = sum(o.stats.num_cycles + o.stats.num_ar_steps for o in outs)
@@ -116,23 +116,11 @@ def run_mode(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, ma
     return cell
 
 
-def med(cells: list[dict], key: str) -> float:
-    return statistics.median(c[key] for c in cells)
-
-
-def pair_ratio(a: list[dict], b: list[dict], key: str) -> float:
-    """Median over rounds of a[i][key] ÷ b[i][key] (same round: the same machine load)."""
-    return statistics.median(x[key] / y[key] for x, y in zip(a, b))
-
-
 def split_run(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, max_new: int) -> dict:
-    """One untimed-by-the-rounds run of ``mode`` with its parts timed → ms per iteration by part."""
-    timer = PartTimer(engine)
-    try:
-        cell = run_mode(engine, tok, prompts, mode, max_new)
-    finally:
-        timer.restore()
-    parts = {p: timer.seconds.get(p, 0.0) for p in PARTS[:-1]}
+    """One run of ``mode`` under the profiler → ms per iteration and share of the run by part."""
+    cuda = next(engine.model.parameters()).is_cuda
+    cell, seconds = profiled(lambda: run_mode(engine, tok, prompts, mode, max_new), cuda)
+    parts = {p: seconds.get(p, 0.0) for p in PARTS[:-1]}
     parts["rest"] = cell["seconds"] - sum(parts.values())
     iters = max(1, cell["iterations"])
     return {"seconds": cell["seconds"], "iterations": cell["iterations"],
@@ -140,11 +128,56 @@ def split_run(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, m
             "share": {p: s / cell["seconds"] for p, s in parts.items()}}
 
 
-def host_reads_per_iteration(engine: OrthrusEngine, tok, prompts: list[list[int]], mode: str, max_new: int) -> float:
-    before = engine.stats.iterations
-    with count_host_reads() as reads:
-        run_mode(engine, tok, prompts, mode, max_new)
-    return host_reads(reads) / max(1, engine.stats.iterations - before)
+# (name, numerator mode, denominator mode, key) of each ratio a batch size reports
+RATIOS = (("constrained_over_free tokens_per_s", "constrained", "free", "tokens_per_s"),
+          ("constrained_over_free tokens_per_cycle", "constrained", "free", "tokens_per_cycle"),
+          ("constrained_over_free ms_per_iteration", "constrained", "free", "ms_per_iteration"),
+          ("constrained_over_free_matched tokens_per_s", "constrained", "free_matched", "tokens_per_s"),
+          ("constrained_over_free_matched ms_per_iteration", "constrained", "free_matched", "ms_per_iteration"),
+          ("constrained_speculative_over_ar tokens_per_s", "constrained", "constrained_ar", "tokens_per_s"),
+          ("free_speculative_over_ar tokens_per_s", "free", "free_ar", "tokens_per_s"),
+          ("free_over_free_plain tokens_per_s", "free", "free_plain", "tokens_per_s"),
+          ("mixed_over_free tokens_per_s", "mixed", "free", "tokens_per_s"),
+          ("mixed_over_free ms_per_iteration", "mixed", "free", "ms_per_iteration"))
+# (check, mode a, mode b, rows compared) of the token equalities between modes
+SAME_TOKENS = (("constrained greedy tokens: speculative == AR", "constrained", "constrained_ar", "all"),
+               ("free greedy tokens: speculative == AR", "free", "free_ar", "all"),
+               ("free tokens: engine with tokenizer == without", "free", "free_plain", "all"),
+               ("free_matched rows: prefixes of the free rows", "free_matched", "free", "prefix"),
+               ("mixed batch: free rows == all-free run", "mixed", "free", "odd"),
+               ("mixed batch: constrained rows == all-constrained run", "mixed", "constrained", "even"))
+
+
+def ratios_of(cells: dict, samples: dict) -> dict:
+    """Every ratio of ``RATIOS`` whose two modes ran: of the medians and the median of the pair ratios."""
+    return {name: {"ratio_of_medians": cells[a][key] / cells[b][key],
+                   "median_of_pair_ratios": common.pair_ratio(samples[a], samples[b], key)}
+            for name, a, b, key in RATIOS if a in cells and b in cells}
+
+
+def token_checks(ids: dict[str, list]) -> dict[str, bool]:
+    """Every equality of ``SAME_TOKENS`` whose two modes ran."""
+    def same(x: list, y: list, rows: str) -> bool:
+        if rows == "prefix":
+            return all(m == f[: len(m)] for m, f in zip(x, y))
+        step = {"all": slice(None), "odd": slice(1, None, 2), "even": slice(None, None, 2)}[rows]
+        return x[step] == y[step]
+    return {name: same(ids[a], ids[b], rows) for name, a, b, rows in SAME_TOKENS if a in ids and b in ids}
+
+
+def time_split(engine: OrthrusEngine, tok, prompts: list[list[int]], modes: list[str],
+               args: argparse.Namespace) -> dict:
+    """Each speculative mode's time by part: medians of up to 3 interleaved profiled runs (a loaded
+    machine skews one)."""
+    split_modes = [m for m in modes if m in SPECULATIVE_MODES]
+    runs: dict[str, list[dict]] = {m: [] for m in split_modes}
+    for _ in range(max(1, min(3, args.reps))):
+        for m in split_modes:
+            runs[m].append(split_run(engine, tok, prompts, m, args.max_new_tokens))
+    return {m: {"runs": len(r), "seconds": med(r, "seconds"), "iterations": r[0]["iterations"],
+                **{key: {p: statistics.median(x[key][p] for x in r) for p in PARTS}
+                   for key in ("ms_per_iteration", "share")}}
+            for m, r in runs.items()}
 
 
 def bench_batch(model: OrthrusForCausalLM, tok, prompts: list[list[int]], b: int, modes: list[str],
@@ -154,72 +187,30 @@ def bench_batch(model: OrthrusForCausalLM, tok, prompts: list[list[int]], b: int
     engine = OrthrusEngine(model, max_batch_size=b, max_seq_len=seq, static_shapes=False, tokenizer=tok)
     plain = OrthrusEngine(model, max_batch_size=b, max_seq_len=seq, static_shapes=False)   # no tokenizer
     engine_of = {m: plain if m == "free_plain" else engine for m in modes}
-    samples: dict[str, list[dict]] = {m: [] for m in modes}
-    ids: dict[str, list] = {}
     matched = None
     if "free_matched" in modes:       # the constrained rows' lengths (an extra warm-up run)
         matched = [len(t) for t in run_mode(engine, tok, prompts, "constrained", args.max_new_tokens)["ids"]]
-    repeatable = {m: True for m in modes}          # every round of a mode gave the same tokens
-    for rep in range(args.reps + 1):
-        for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
-            cell = run_mode(engine_of[mode], tok, prompts, mode, args.max_new_tokens, matched)
-            got = cell.pop("ids")
-            repeatable[mode] &= ids.setdefault(mode, got) == got
-            if rep:
-                samples[mode].append(cell)
+    r = common.rounds({m: (lambda m=m: run_mode(engine_of[m], tok, prompts, m, args.max_new_tokens, matched))
+                       for m in modes}, args.reps)                 # rotating order, round 0 a warm-up
+    samples, ids = r.samples, {m: got[0] for m, got in r.ids.items()}
     cells: dict = {m: {k: med(s, k) for k in s[0]} for m, s in samples.items()}
     for m, s in samples.items():
         cells[m]["tokens"] = s[0]["tokens"]
-    checks: dict[str, bool] = {f"{m} tokens repeat every round": ok for m, ok in repeatable.items()}
-    ratios: dict = {}
-
-    def ratio(name: str, a: str, bm: str, key: str = "tokens_per_s") -> None:
-        if a in cells and bm in cells:
-            ratios[name] = {"ratio_of_medians": cells[a][key] / cells[bm][key],
-                            "median_of_pair_ratios": pair_ratio(samples[a], samples[bm], key)}
-    ratio("constrained_over_free tokens_per_s", "constrained", "free")
-    ratio("constrained_over_free tokens_per_cycle", "constrained", "free", "tokens_per_cycle")
-    ratio("constrained_over_free ms_per_iteration", "constrained", "free", "ms_per_iteration")
-    ratio("constrained_over_free_matched tokens_per_s", "constrained", "free_matched")
-    ratio("constrained_over_free_matched ms_per_iteration", "constrained", "free_matched", "ms_per_iteration")
-    ratio("constrained_speculative_over_ar tokens_per_s", "constrained", "constrained_ar")
-    ratio("free_speculative_over_ar tokens_per_s", "free", "free_ar")
-    ratio("free_over_free_plain tokens_per_s", "free", "free_plain")
-    ratio("mixed_over_free tokens_per_s", "mixed", "free")
-    ratio("mixed_over_free ms_per_iteration", "mixed", "free", "ms_per_iteration")
-    if "constrained" in ids and "constrained_ar" in ids:
-        checks["constrained greedy tokens: speculative == AR"] = ids["constrained"] == ids["constrained_ar"]
-    if "free" in ids and "free_ar" in ids:
-        checks["free greedy tokens: speculative == AR"] = ids["free"] == ids["free_ar"]
-    if "free" in ids and "free_plain" in ids:
-        checks["free tokens: engine with tokenizer == without"] = ids["free"] == ids["free_plain"]
-    if "free_matched" in ids and "free" in ids:
-        checks["free_matched rows: prefixes of the free rows"] = all(
-            m == f[: len(m)] for m, f in zip(ids["free_matched"], ids["free"]))
-    if "mixed" in ids and "free" in ids:
-        checks["mixed batch: free rows == all-free run"] = ids["mixed"][1::2] == ids["free"][1::2]
-    if "mixed" in ids and "constrained" in ids:
-        checks["mixed batch: constrained rows == all-constrained run"] = ids["mixed"][::2] == ids["constrained"][::2]
+    checks = {f"{m} tokens repeat every round": r.repeatable(m) for m in modes}
+    checks.update(token_checks(ids))
     for m in modes:
         if m in ("constrained", "constrained_ar", "mixed"):
             checks[f"{m}: every stop row valid"] = all(c["constrained_stop_rows_invalid"] == 0 for c in samples[m])
-    reads = {m: host_reads_per_iteration(engine_of[m], tok, prompts, m, args.max_new_tokens)
+    reads = {m: common.host_reads_per_iteration(engine_of[m], lambda m=m: run_mode(
+                 engine_of[m], tok, prompts, m, args.max_new_tokens))
              for m in modes if m in ("free", "constrained", "constrained_ar", "mixed")}
     if "free" in reads:
         checks["free: 1 host read per iteration"] = reads["free"] == 1
-    report = {"rows": len(prompts), "slots": b, "modes": cells, "ratios": ratios,
+    report = {"rows": len(prompts), "slots": b, "modes": cells, "ratios": ratios_of(cells, samples),
               "tokens_per_s_by_round": {m: [c["tokens_per_s"] for c in s] for m, s in samples.items()},
               "host_reads_per_iteration": reads, "checks": checks, "ids": ids}
-    if args.split:       # medians of up to 3 interleaved runs per mode (a loaded machine skews one)
-        split_modes = [m for m in modes if m in SPECULATIVE_MODES]
-        runs: dict[str, list[dict]] = {m: [] for m in split_modes}
-        for _ in range(max(1, min(3, args.reps))):
-            for m in split_modes:
-                runs[m].append(split_run(engine, tok, prompts, m, args.max_new_tokens))
-        report["time_split"] = {m: {"runs": len(r), "seconds": med(r, "seconds"), "iterations": r[0]["iterations"],
-                                    **{key: {p: statistics.median(x[key][p] for x in r) for p in PARTS}
-                                       for key in ("ms_per_iteration", "share")}}
-                                for m, r in runs.items()}
+    if args.split:
+        report["time_split"] = time_split(engine, tok, prompts, modes, args)
     return report
 
 
@@ -268,15 +259,10 @@ def validate(model: OrthrusForCausalLM, tok, prompts: list[list[int]], args: arg
     return report
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/tiny-orthrus-py")
-    ap.add_argument("--prompts", default="examples/shards", help="held-out Parquet shards (prompt column)")
-    ap.add_argument("--batch-sizes", default="1,16", help="comma list of B (slots)")
+def add_args(ap) -> None:
+    """The structured workload's own arguments (batch sizes 1,16 and one thread by default)."""
     ap.add_argument("--rows", type=int, default=2 * len(SUITE),
                     help="rows per timed run, flowing through the B slots (default: each suite case twice)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=5, help="timed rounds after a warm-up (>= 3 for the medians)")
     ap.add_argument("--modes", default=",".join(MODES[:-1]),
                     help="modes of the timed rounds ('mixed' is added at --mixed-batch-size)")
     ap.add_argument("--mixed-batch-size", type=int, default=16, help="B of the mixed batch (0 skips it)")
@@ -286,15 +272,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--validate-max-new-tokens", type=int, default=64)
     ap.add_argument("--validate-batch-size", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0, help="of the seeded sampled validation rows")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--out", default=None, help="write the report here (JSON)")
-    return ap.parse_args(argv)
+    ap.set_defaults(batch_sizes="1,16", threads=1)
 
 
 def engine_version() -> dict:
     """The commit the engine ran at and whether ``orthrus/`` had uncommitted changes (None outside git)."""
     import subprocess
-    root = Path(__file__).resolve().parents[1]
+    root = common.REPO
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode:
         return {"commit": None, "orthrus_dirty": None}
@@ -305,14 +289,12 @@ def engine_version() -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """Every section → the report (printed as it goes; token ids left out)."""
-    from transformers import AutoTokenizer
-    torch.set_num_threads(args.threads)
+    common.set_threads(args)
     start = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = OrthrusForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    held_out = load_prompt_ids(tok, args.prompts)
+    tok, held_out = common.load_prompts(args.model, args.prompts)
+    model = common.load_model(args.model)
     prompts = [held_out[i % len(held_out)] for i in range(args.rows)]
-    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    sizes = common.batch_sizes(args, "1,16")
     modes = [m for m in args.modes.split(",") if m]
     report: dict = {"model": args.model, "threads": torch.get_num_threads(), "reps": args.reps, "rows": args.rows,
                     "max_new_tokens": args.max_new_tokens, "block_size": model.block_size, "greedy": True,
@@ -341,64 +323,11 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def print_batch(b: int, r: dict) -> None:
-    cells, ratios = r["modes"], r["ratios"]
-    print(f"B={b}, {r['rows']} rows:", flush=True)
-    for m, c in cells.items():
-        print(f"  {m:<15} {c['tokens_per_s']:7.0f} tok/s  {c['tokens']:5d} tokens  tpc {c['tokens_per_cycle']:.2f}  "
-              f"{c['ms_per_iteration']:6.2f} ms/iteration  {c['rows_per_iteration']:5.2f} rows/iteration  "
-              f"stop {c['stop_rows']:.0f} length {c['length_rows']:.0f}  "
-              f"host reads/iteration {r['host_reads_per_iteration'].get(m, float('nan')):.2f}", flush=True)
-    for name, v in ratios.items():
-        print(f"  {name:<46} ×{v['ratio_of_medians']:.3f}  (pairs ×{v['median_of_pair_ratios']:.3f})", flush=True)
-    for m, s in r.get("time_split", {}).items():
-        print(f"  split {m:<12} ms/iteration: " + "  ".join(f"{p} {ms:.2f}" for p, ms in s["ms_per_iteration"].items()
-                                                            if ms >= 0.005 or p == "rest"), flush=True)
-    failed = [k for k, ok in r["checks"].items() if not ok]
-    print(f"  checks: {len(r['checks']) - len(failed)}/{len(r['checks'])} pass"
-          + (f"; FAILED: {failed}" if failed else ""), flush=True)
-
-
-def print_summary(report: dict) -> None:
-    """One line per batch size: the ratios (of medians; median of per-round ratios in brackets)."""
-    cols = [("constrained/free tok/s", "constrained_over_free tokens_per_s"),
-            ("constrained/free tpc", "constrained_over_free tokens_per_cycle"),
-            ("constrained/free_matched tok/s", "constrained_over_free_matched tokens_per_s"),
-            ("constrained spec/AR tok/s", "constrained_speculative_over_ar tokens_per_s"),
-            ("free spec/AR tok/s", "free_speculative_over_ar tokens_per_s"),
-            ("free/free_plain tok/s", "free_over_free_plain tokens_per_s"),
-            ("mixed/free tok/s", "mixed_over_free tokens_per_s")]
-    print("summary (ratio of medians [median of per-round ratios]):", flush=True)
-    for b, r in report["results"].items():
-        parts = [f"{label} {r['ratios'][key]['ratio_of_medians']:.2f} [{r['ratios'][key]['median_of_pair_ratios']:.2f}]"
-                 for label, key in cols if key in r["ratios"]]
-        print(f"  B={b:<3} " + " | ".join(parts), flush=True)
-    failed = [k for k, ok in report["checks"].items() if not ok]
-    print(f"  checks: {len(report['checks']) - len(failed)}/{len(report['checks'])} pass"
-          + (f"; FAILED: {failed}" if failed else ""), flush=True)
-
-
-def print_validation(v: dict) -> None:
-    print(f"validation: {v['cases']} cases × {v['prompts']} prompts, greedy and sampled (T={v['temperature']}), "
-          f"{v['seconds']:.1f} s", flush=True)
-    for k, by in v["by_kind"].items():
-        print(f"  {k:<12} " + " | ".join(f"{s}: {c['stop_valid']}/{c['stop']} stop rows valid, {c['length']} length"
-                                         for s, c in by.items()), flush=True)
-    for row in v["invalid"]:
-        print(f"  INVALID {row}", flush=True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> None:
+    """Every section → ``bench-results/structured.json``; then a failed check raises."""
     report = run(args)
     print_summary(report)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    common.write_report(args, report)
     print(f"total {report['seconds']:.0f} s", flush=True)
     failed = [k for k, ok in report["checks"].items() if not ok]
     assert not failed, f"structured bench checks failed: {failed}"
-
-
-if __name__ == "__main__":
-    main()

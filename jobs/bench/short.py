@@ -1,7 +1,7 @@
 """Short outputs through the job: what the frame around the engine costs when rows are 1 token long.
 
-    python -m jobs.bench --only short           # writes bench_short.json next to --out
-    python -m jobs.bench_short --rows 20000 --max-new-tokens 1 --out bench_short.json
+    python -m jobs.bench short                  # writes bench-results/short.json
+    python -m jobs.bench short --rows 20000 --max-new-tokens 1
 
 Labelling and scoring jobs ask for 1-4 tokens per row, so per-row work outside the engine (the
 conversions from batch to requests and from results back to columns, the actor call, detokenize,
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.bench_job import _run_job
+from jobs.bench import common
+from jobs.bench.job import actor_budget_run, run_job
 
 
 def short_rows(rows: int) -> pa.Table:
@@ -43,7 +42,7 @@ def job(config: str, model: str, inputs: Path, out: Path, slots: int, max_new: i
     sets = ["prompt.chat_template=off", "sampling.stop=[]", f"sampling.max_new_tokens={max_new}",
             f"engine.max_batch_size={slots}", f"engine.batch_size={batch_size}", "engine.speculative=true",
             "engine.dtype=float32", "audit.fraction=0", f"input.paths=[{inputs}]", f"model.path={model}"]
-    summary = _run_job(config, sets, out)
+    summary = run_job(config, sets, out)
     run = summary["run"]
     busy = sum(a["busy_seconds"] for a in run["actors"])
     return {"rows": summary["rows"]["total"], "steady_rows_per_s": run["steady_rows_per_second"],
@@ -78,15 +77,16 @@ def bare_engine(rows_path: str, model_path: str, slots: int, max_new: int, runs:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Bare engine, job, bare engine again → the report (printed as it goes)."""
     tmp = Path(tempfile.mkdtemp(prefix="orthrus-bench-short-"))
     (tmp / "in").mkdir()
     pq.write_table(short_rows(args.rows), tmp / "in" / "rows.parquet", row_group_size=args.row_group)
     report: dict = {"rows": args.rows, "max_new_tokens": args.max_new_tokens, "slots": args.slots,
-                    "batch_size": args.batch_size, "config": args.config}
+                    "batch_size": args.batch_size, "config": args.job_config}
     # The baseline runs right before and right after the job and the job is compared with their
     # mean: on a shared machine the load drifts, and bracketing spreads the drift over both sides.
     before = _bare(tmp / "in" / "rows.parquet", args)
-    report["job"] = job(args.config, args.model, tmp / "in", tmp / "out", args.slots, args.max_new_tokens,
+    report["job"] = job(args.job_config, args.model, tmp / "in", tmp / "out", args.slots, args.max_new_tokens,
                         args.batch_size)
     print(f"job: {report['job']}", flush=True)
     after = _bare(tmp / "in" / "rows.parquet", args)
@@ -104,39 +104,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _bare(rows: Path, args: argparse.Namespace) -> dict:
-    """The bare engine on ``rows`` in its own process, with the actor's thread budget (Ray sets
-    OMP_NUM_THREADS=1 for a 1-CPU actor, see bench_job.py)."""
-    cmd = [sys.executable, "-m", "jobs.bench_short", "--bare", str(rows), args.model, str(args.slots),
-           str(args.max_new_tokens)]
-    out = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True,
-                         timeout=3600).stdout.splitlines()[-1]
-    return json.loads(out)
+    """The bare engine on ``rows`` in its own process, with the actor's thread budget."""
+    return actor_budget_run("jobs.bench.short", str(rows), args.model, str(args.slots), str(args.max_new_tokens))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/tiny-orthrus-py")
-    ap.add_argument("--config", default="examples/demo.yaml", help="the job config the overrides apply to")
+def add_args(ap) -> None:
+    """The short workload's own arguments (1 new token by default)."""
     ap.add_argument("--rows", type=int, default=20000)
-    ap.add_argument("--max-new-tokens", type=int, default=1)
     ap.add_argument("--slots", type=int, default=64, help="engine.max_batch_size, and the bare engine's slots")
     ap.add_argument("--batch-size", type=int, default=64, help="engine.batch_size (rows per actor call)")
     ap.add_argument("--row-group", type=int, default=2000, help="input row-group size (one read task each)")
-    ap.add_argument("--out", default=None, help="write the report here (JSON)")
-    return ap.parse_args(argv)
+    ap.set_defaults(max_new_tokens=1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--bare":     # the baseline's own process: ROWS MODEL SLOTS MAX_NEW
-        print(json.dumps(bare_engine(argv[1], argv[2], int(argv[3]), int(argv[4]))))
-        return
-    args = parse_args(argv)
-    report = run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+def main(args: argparse.Namespace) -> None:
+    """The job vs the bare engine → ``bench-results/short.json``."""
+    common.write_report(args, run(args))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":     # the baseline's own process: ROWS MODEL SLOTS MAX_NEW
+    print(json.dumps(bare_engine(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))

@@ -1,0 +1,4 @@
+"""``python -m jobs.bench [workload] [options]``: see ``jobs/bench/common.py`` (``--help``)."""
+from jobs.bench import main
+
+main()
