@@ -144,10 +144,28 @@ class RowStats:
     accept_length_histogram: list[int] = field(default_factory=list)  # [L] = cycles accepting L drafts
     num_ar_steps: int = 0
     num_tokens_after_stop: int = 0   # decoded after the token completing a stop string (< one block)
+    # Of those, the cycles (AR steps) that began in the row's reasoning phase and the drafts they
+    # accepted: how well the drafter does on thinking vs answers (``reasoning_tokens_per_cycle``).
+    num_reasoning_cycles: int = 0
+    num_reasoning_ar_steps: int = 0
+    num_reasoning_accepted_draft_tokens: int = 0
 
     @property
     def tokens_per_cycle(self) -> float:
         """Tokens per decode iteration: accepted drafts + 1 per cycle (the acceptance length; TPF is
         half of it), counting an AR step as an iteration of 1 token (1.0 without speculation)."""
         return tokens_per_cycle(self.num_accepted_draft_tokens, self.num_cycles + self.num_ar_steps)
+
+    @property
+    def reasoning_tokens_per_cycle(self) -> float:
+        """``tokens_per_cycle`` over the iterations that began in the reasoning phase (0.0: none)."""
+        return tokens_per_cycle(self.num_reasoning_accepted_draft_tokens,
+                                self.num_reasoning_cycles + self.num_reasoning_ar_steps)
+
+    @property
+    def answer_tokens_per_cycle(self) -> float:
+        """``tokens_per_cycle`` over the iterations after it (0.0: none)."""
+        return tokens_per_cycle(self.num_accepted_draft_tokens - self.num_reasoning_accepted_draft_tokens,
+                                self.num_cycles + self.num_ar_steps - self.num_reasoning_cycles
+                                - self.num_reasoning_ar_steps)
 

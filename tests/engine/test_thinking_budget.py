@@ -72,6 +72,10 @@ def test_greedy_thinking_budget_equals_transformers(model, speculative):
         assert r.token_ids == _hf_greedy(hf, prompt, budget, model.eos_token_ids)
         alone = OrthrusEngine(model, max_batch_size=1, reasoning=THINK_TOKENS).generate([prompt], sp, speculative=speculative)[0]
         assert alone.token_ids == r.token_ids                                        # the batch changes nothing
+    for r in got:     # the iterations that began while thinking emitted the reasoning after the first token
+        s, thought = r.stats, r.num_reasoning_tokens or 0
+        emitted = s.num_reasoning_accepted_draft_tokens + s.num_reasoning_cycles + s.num_reasoning_ar_steps
+        assert max(thought - 1, 0) <= emitted < max(thought - 1, 0) + model.block_size
     reasoning = [r.num_reasoning_tokens for r in got]
     assert reasoning == [4, 6, 5, 1, 4, 9, 9, 9, None]
     assert [r.token_ids[b: b + 2] for r, (_, b) in zip(got[:4], CASES)] == [[13, 2]] * 4   # end + separator

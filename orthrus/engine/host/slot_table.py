@@ -64,6 +64,13 @@ class SlotTable:
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
         self.ran_dead = np.zeros(num_slots, dtype=bool)            # took part in an iteration after it ended
+        # Reasoning rows: still in their phase (before their think end), and the iterations and
+        # accepted drafts of that phase (RowStats.reasoning_tokens_per_cycle).
+        self.think_end = -1
+        self.thinking = np.zeros(num_slots, dtype=bool)
+        self.thinking_cycles = np.zeros(num_slots, dtype=np.int64)
+        self.thinking_ar_steps = np.zeros(num_slots, dtype=np.int64)
+        self.thinking_accepted = np.zeros(num_slots, dtype=np.int64)
         self.logprobs = LogprobBook(num_slots, self.tokens.shape[1], vocab_size)
 
     def free_slots(self) -> np.ndarray:
@@ -97,8 +104,11 @@ class SlotTable:
             req.slot = slot
         self.busy_mask[slots] = True
         self.ran_dead[slots] = False
-        for arr in (self.count, self.cycles, self.accepted, self.drafted, self.ar_steps, self.hist):
+        for arr in (self.count, self.cycles, self.accepted, self.drafted, self.ar_steps, self.hist,
+                    self.thinking_cycles, self.thinking_ar_steps, self.thinking_accepted):
             arr[slots] = 0
+        self.thinking[slots] = [r.reasoning is not None for r in requests]
+        self.think_end = next((r.reasoning.end for r in requests if r.reasoning is not None), self.think_end)
         self.prompt_len[slots] = [len(r.prompt) for r in requests]
         self.limit[slots] = np.minimum([r.params.max_new_tokens for r in requests], self.capacity - self.prompt_len[slots])
         self.greedy[slots] = [r.params.greedy for r in requests]
@@ -134,12 +144,18 @@ class SlotTable:
         live = out.alive
         self.ran_dead[slots[~live]] = True
         ended = out.reason != FinishReason.RUNNING
+        # began this iteration in its reasoning phase (a first token, sampled before it, may have ended it)
+        thinking = live & self.thinking[slots] & (out.first != self.think_end)
+        self.thinking[slots] &= ~(((out.emitted == self.think_end) & keep).any(1) | (out.first == self.think_end))
         if not block_size:
             self.ar_steps[slots] += live
+            self.thinking_ar_steps[slots] += thinking
             return Recorded(slots[ended], out.reason[ended], int(live.sum()), int(live.sum()))
         self.cycles[slots] += live
         self.drafted[slots] += live * (block_size - 1)
         self.accepted[slots] += out.n_acc
+        self.thinking_cycles[slots] += thinking
+        self.thinking_accepted[slots] += out.n_acc * thinking
         np.add.at(self.hist, (slots[live], out.n_acc[live]), 1)
         return Recorded(slots[ended], out.reason[ended], int(out.n_acc[live].sum() + live.sum()), int(live.sum()))
 
@@ -159,7 +175,10 @@ class SlotTable:
         stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
                          num_accepted_draft_tokens=int(self.accepted[slot]),
                          accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a,  # SYNC: none (host numpy)
-                         num_tokens_after_stop=0 if end is None else count - end)
+                         num_tokens_after_stop=0 if end is None else count - end,
+                         num_reasoning_cycles=int(self.thinking_cycles[slot]),
+                         num_reasoning_ar_steps=int(self.thinking_ar_steps[slot]),
+                         num_reasoning_accepted_draft_tokens=int(self.thinking_accepted[slot]))
         tokens = self.tokens[slot, :keep].tolist()  # SYNC: none (host numpy)
         self.requests[slot] = None
         self.busy_mask[slot] = False
