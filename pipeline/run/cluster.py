@@ -18,5 +18,7 @@ def connect(address: str | None = None) -> str:
     if address:
         ray.init(address=address, log_to_driver=True)
         return "cluster"
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
+    # address="local": always a new embedded Ray, even when a head runs in the default temp dir
+    # (ray.init would find it and refuse num_cpus: "When connecting to an existing cluster, ...").
+    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
     return "local"
