@@ -165,3 +165,28 @@ def test_think_end_at_every_position_of_accepted_blocks(model, tok, lltok):
     places = [_where_in_block(o.num_reasoning_tokens - 1, n) for o, n in zip(outs, counts) if o.num_reasoning_tokens]
     assert {"first", "middle", "last"} <= set(places), places
     assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0.8 * sum(o.stats.num_draft_tokens for o in outs)
+
+
+def test_every_answer_after_thinking_validates(model, tok):
+    """The structured suite with thinking on (sampled, budgets spent and not): every row that stops
+    has an answer (the text after its think end) that validates, checked without the grammar engine."""
+    from collections import Counter
+
+    from jobs.structured_suite import SUITE, valid
+    engine = OrthrusEngine(model, max_batch_size=16, tokenizer=tok, reasoning=THINK)
+    cases = [(case, PROMPTS[i % 4] + [100], budget, seed) for case in SUITE for i, (budget, seed)
+             in enumerate([(None, 0), (2, 1), (6, 2), (12, 3)])]
+    params = [SamplingParams(max_new_tokens=64, temperature=1.0, seed=seed, structured=case.structured,
+                             max_thinking_tokens=budget) for case, _, budget, seed in cases]
+    outs = engine.generate([p for _, p, _, _ in cases], params)
+    stopped, validated = Counter(), Counter()
+    for (case, _, budget, _), o in zip(cases, outs):
+        assert o.num_reasoning_tokens is not None and (budget is None or o.num_reasoning_tokens <= budget + 1)
+        if o.finish_reason == "stop":
+            kind = next(iter(case.structured))
+            answer = o.token_ids[o.num_reasoning_tokens:-1]            # after the think end, before EOS
+            stopped[kind] += 1
+            validated[kind] += valid(case, tok.decode(answer))
+    assert set(stopped) == {"json_schema", "regex", "choice", "grammar"}, stopped
+    assert validated == stopped, (validated, stopped)
+    print("validity", dict(stopped), "of", len(cases))
