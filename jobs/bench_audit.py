@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 
 from pipeline.config import AuditConfig, load_config
 from pipeline.run.job import preflight
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.rows.source import read_file
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.source import read_file
 from pipeline.actor.stage import GenerationStage, StagePlan
 
 

@@ -111,11 +111,11 @@ def stop_string_waste(config_path: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from pipeline.rows import schema as S
+    from pipeline import schema as S
     from pipeline.config import load_config
     from pipeline.run.job import preflight
-    from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-    from pipeline.rows.source import read_file
+    from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+    from pipeline.inputs.source import read_file
 
     cfg = load_config(config_path, [])
     inputs = preflight(cfg).inputs

@@ -40,8 +40,8 @@ import pyarrow.compute as pc
 
 from jobs.bench_scale_data import (BLOCK, FILES, REPO, copy_output, ids_of, job_config, swapped_blocks,
                                    write_committed, write_inputs)
-from pipeline.rows import schema as S
-from pipeline.rows.request import REQUEST
+from pipeline import schema as S
+from pipeline.requests.request import REQUEST
 
 RESULT = "BENCH_SCALE_RESULT "
 TARGETS = {"fresh_startup_ratio": 1.3, "fresh_rss_delta_mb": 100, "resume_startup_ratio": 1.5,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from pipeline.rows import schema as S
-from pipeline.rows.errors import ERROR, row_error
+from pipeline import schema as S
+from pipeline.requests.errors import ERROR, row_error
 
 
 def detokenize_batch(batch: pa.Table, tokenizer) -> pa.Table:

@@ -8,8 +8,8 @@ scoring jobs) this pass weighs as much as the decoding, so it counts.
 from __future__ import annotations
 
 from orthrus import RequestOutput, SamplingParams
-from pipeline.rows import schema as S
-from pipeline.rows.errors import ERROR, row_error
+from pipeline import schema as S
+from pipeline.requests.errors import ERROR, row_error
 
 # The columns filled from a RequestOutput, in the order of the tuple ``_row`` returns.
 _COLUMNS = ("generated_tokens", "num_generated_tokens", "finish_reason", "num_cycles", "num_forward_passes",

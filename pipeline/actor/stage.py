@@ -30,14 +30,14 @@ import pyarrow as pa
 import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
-from pipeline.rows import schema as S
-from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.request import REQUEST, Requests, read_requests
+from pipeline import schema as S
+from pipeline.requests.errors import ERROR, row_error
+from pipeline.requests.request import REQUEST, Requests, read_requests
 from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
 from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy, Prefill
 from pipeline.actor.faults import FAULT_ENV, FaultInjector
-from pipeline.report.metrics import ActorMetrics
+from pipeline.actor.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
 from pipeline.actor.results import result_columns

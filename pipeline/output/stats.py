@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.rows import schema as S
+from pipeline import schema as S
 
 STATS_KEY = b"orthrus.stats"
 EXAMPLES = 5
@@ -189,3 +189,14 @@ def encode(stats: dict) -> bytes:
 
 def decode(raw: bytes) -> dict:
     return json.loads(raw)
+
+
+def column_sum(col: pa.ChunkedArray) -> int:
+    """Sum of an integer column (0 when empty or all null)."""
+    return int(pc.sum(col).as_py() or 0)
+
+
+def prefix_cache_hit_rate(computed_tokens: int, hit_tokens: int) -> float | None:
+    """The share of prompt tokens the prefix cache copied instead of prefilling (None: none yet)."""
+    total = computed_tokens + hit_tokens
+    return hit_tokens / total if total else None

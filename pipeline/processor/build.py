@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.processor.config import OrthrusProcessorConfig, processor_config
-from pipeline.processor.prepare import PreparePlan, prepare_batch
-from pipeline.rows.prompts import ChatTemplate
+from pipeline.requests.prepare import PreparePlan, prepare_batch
+from pipeline.requests.prompts import ChatTemplate
 
 RowFn = Callable[[dict[str, Any]], dict[str, Any]]
 # The prepare stage works on batches of this many rows: large enough that a task's overhead is

@@ -1,5 +1,5 @@
 """Per-actor throughput of this run, gathered by the driver from the batch records it receives
-(one :data:`pipeline.rows.schema.BATCH_RECORD` per actor call; bounded by batches, not rows)."""
+(one :data:`pipeline.schema.BATCH_RECORD` per actor call; bounded by batches, not rows)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ from collections import defaultdict
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.rows import schema as S
+from pipeline import schema as S
 
 
 class ThroughputTracker:

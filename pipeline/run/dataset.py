@@ -1,5 +1,5 @@
-"""The job's Ray Data graph: input row groups (``rows/source.py`` read tasks) -> the job's rows
-(``rows/preprocess.py``: samples, ids, seeds, sampling) -> the processor (``pipeline/processor``:
+"""The job's Ray Data graph: input row groups (``inputs/source.py`` read tasks) -> the job's rows
+(``inputs/preprocess.py``: samples, ids, seeds, sampling) -> the processor (``pipeline/processor``:
 prepare, generate, detokenize).
 
 The driver consumes the result and streams it into parts (``run/commit.py``); nothing here writes.
@@ -11,9 +11,10 @@ from pipeline.actor.faults import FaultInjector, from_environment
 from pipeline.actor.stage import GenerationStage
 from pipeline.processor.build import PREPARE_ROWS, StageOptions, generate
 from pipeline.processor.config import OrthrusProcessorConfig
-from pipeline.rows.inputs import InputPlan
-from pipeline.rows.source import Pending, make_datasource
-from pipeline.rows.preprocess import PreprocessPlan, job_rows
+from pipeline.inputs.plan import InputPlan
+from pipeline.inputs.source import make_datasource
+from pipeline.output.sources import Pending
+from pipeline.inputs.preprocess import PreprocessPlan, job_rows
 from pipeline.run.resources import Placement
 
 # Ray Data holds a task's output until it reaches this size before passing it on (128 MiB by

@@ -20,7 +20,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.rows.schema import output_schema
+from pipeline.schema import output_schema
 from support.job_inputs import MSG_TYPE, write_parquet
 from support.paths import REPO
 from support.ray_head import WAIT_FOR_BOTH_ACTORS, base_env, part_digests, row_keys, submit

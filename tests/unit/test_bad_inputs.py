@@ -22,12 +22,12 @@ from pipeline.output.directory import OutputDir, read_footer
 from pipeline.output.parts import PartWriter
 from pipeline.report.progress import Progress
 from pipeline.report.throughput import ThroughputTracker
-from pipeline.rows import schema as S
-from pipeline.rows.checks import check_ids, verify_inputs
-from pipeline.rows.source import InputFileError, read_file
+from pipeline import schema as S
+from pipeline.inputs.checks import check_ids, verify_inputs
+from pipeline.inputs.source import InputFileError, read_file
 from pipeline.run.commit import CommitLoop, run_loop
 from pipeline.run.job import preflight
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.actor.stage import GenerationStage, StagePlan
 from support.job_inputs import MSG, job_config, raw_strings, write_shard
 

@@ -16,14 +16,15 @@ from pipeline.config import BehaviourConfig, ConfigError, EngineConfig, Resource
 from pipeline.run.job import preflight
 from pipeline.output.directory import OutputDir
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.rows import schema as S
+from pipeline import schema as S
 from pipeline.actor.postprocess import detokenize_batch
-from pipeline.rows.preprocess import PreprocessPlan, derive_seed, preprocess_batch
-from pipeline.rows.source import Pending, read_file
+from pipeline.inputs.preprocess import PreprocessPlan, derive_seed, preprocess_batch
+from pipeline.inputs.source import read_file
+from pipeline.output.sources import Pending
 from pipeline.output.sources import PartSources
 from pipeline.run.resources import check_engine_placement, resolve_placement
 from pipeline.actor.stage import GenerationStage, StagePlan
-from pipeline.rows.schema import OUTPUT_FIELDS, output_schema, to_output_table
+from pipeline.schema import OUTPUT_FIELDS, output_schema, to_output_table
 from orthrus.metrics import acceptance_by_position
 from pipeline.report.summary import row_statistics
 from support.job_inputs import job_config, write_shard
@@ -104,7 +105,7 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
     plan = PreprocessPlan(inputs=inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling)
     # sample 1 of row 1 ("ok-prompt") is already committed: the read task leaves it out
     done = Pending(2, (np.array([], np.int64), np.array([1])), (np.array([], np.int64), np.array([2])))
-    from pipeline.rows.source import ReadSpec, read_row_group, row_group_tasks
+    from pipeline.inputs.source import ReadSpec, read_row_group, row_group_tasks
     (task,) = row_group_tasks(inputs, {inputs.files[0]: done})
     out = preprocess_batch(read_row_group(task, ReadSpec.of(inputs), 2), plan).to_pylist()
     assert [(r["id"], r["sample_index"]) for r in out] == [
@@ -247,7 +248,7 @@ def test_acceptance_statistics():
 
 
 def test_throughput_tracker_separates_startup_from_steady_rate():
-    from pipeline.rows import schema as S
+    from pipeline import schema as S
     from pipeline.report.throughput import ThroughputTracker
 
     def block(call: str, tokens: int, occupancy: dict | None, started: float | None = None) -> pa.Table:
@@ -288,7 +289,7 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
 
 def test_request_column_reads_back_column_wise_per_row_settings_and_seeds():
     from orthrus import SamplingParams
-    from pipeline.rows.request import read_requests, to_arrow
+    from pipeline.requests.request import read_requests, to_arrow
 
     rows = [([1, 2, 3], SamplingParams(max_new_tokens=1, seed=1)), None,
             ([4], SamplingParams(max_new_tokens=1, seed=2)),

@@ -10,9 +10,9 @@ from pipeline import OrthrusProcessorConfig, build_orthrus_processor
 from pipeline.actor.stage import GenerationStage
 from pipeline.config import ConfigError
 from pipeline.processor.build import StageOptions, prepare_plan, stage_plan
-from pipeline.processor.prepare import prepare_batch, sampling_params_of
-from pipeline.rows.prompts import RowError
-from pipeline.rows.request import REQUEST, from_arrow
+from pipeline.requests.prepare import prepare_batch, sampling_params_of
+from pipeline.requests.prompts import RowError
+from pipeline.requests.request import REQUEST, from_arrow
 
 
 def _config(model, **kw) -> OrthrusProcessorConfig:

@@ -4,8 +4,8 @@ Rows in: ``messages`` (list of {role, content}, or that as a JSON string) or ``p
 with ``tokenize=False`` ``tokenized_prompt`` (token ids); an optional ``sampling_params`` struct or
 map with vLLM's names (:data:`SAMPLING_KEYS`, structured output included: ``structured``,
 ``guided_decoding``/``structured_outputs``, ``guided_json``/``_regex``/``_choice``/``_grammar``,
-``rows/structured.py``); an optional ``error`` already set upstream (such a row is not generated
-and keeps its error). Rows out: the same rows with ``__request`` (``pipeline/rows/request.py``),
+``requests/structured.py``); an optional ``error`` already set upstream (such a row is not generated
+and keeps its error). Rows out: the same rows with ``__request`` (``pipeline/requests/request.py``),
 ``num_input_tokens``, ``seed`` and ``error``. Runs as Ray Data tasks over Arrow batches; nothing
 one row holds can fail the batch: undecodable bytes, text the tokenizer or the template rejects,
 bad sampling values and a constraint that does not compile all end as that row's error.
@@ -21,16 +21,16 @@ import pyarrow as pa
 
 from orthrus import SamplingParams
 from pipeline.config import ModelConfig, StorageConfig
-from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.schema import PROCESSOR_INPUTS
-from pipeline.rows.prompts import ChatTemplate, InvalidText, RowError, format_prompt
-from pipeline.rows.request import REQUEST, to_arrow
-from pipeline.rows.request_keys import check_keys
-from pipeline.rows.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
+from pipeline.requests.errors import ERROR, row_error
+from pipeline.schema import PROCESSOR_INPUTS
+from pipeline.requests.prompts import ChatTemplate, InvalidText, RowError, format_prompt
+from pipeline.requests.request import REQUEST, to_arrow
+from pipeline.requests.request_keys import check_keys
+from pipeline.requests.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "logprobs",
-                 *SAMPLING_PARAMS_KEYS)   # the last: structured output (``rows/structured.py``)
+                 *SAMPLING_PARAMS_KEYS)   # the last: structured output (``requests/structured.py``)
 # Missing keys take the engine's defaults (SamplingParams): greedy, 64 new tokens, a random seed.
 PREPARED = ("num_input_tokens", "seed", ERROR, REQUEST, STRUCTURED_FIELD)
 

@@ -1,6 +1,6 @@
 """The request column: a row's prompt token ids and sampling settings as one Arrow struct.
 
-The prepare stage (``pipeline/processor/prepare.py``) builds it and the generation actor reads it
+The prepare stage (``pipeline/requests/prepare.py``) builds it and the generation actor reads it
 back, each with one call (:func:`to_arrow`, :func:`read_requests`), so a new sampling field is one
 edit here. A null request is a row that will not be generated (its ``error`` is set).
 """
@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from orthrus import SamplingParams
 from orthrus.constraints import parse_constraint
-from pipeline.rows.structured import constraint_json
+from pipeline.requests.structured import constraint_json
 
 REQUEST = "__request"
 REQUEST_TYPE = pa.struct([

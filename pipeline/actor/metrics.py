@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orthrus.metrics import tokens_per_cycle
-from pipeline.report.summary import column_sum, prefix_cache_hit_rate
+from pipeline.output.stats import column_sum, prefix_cache_hit_rate
 
 if TYPE_CHECKING:
     from pipeline.actor.engine_loop import Occupancy, Prefill

@@ -1,7 +1,7 @@
 """The job's CPU step before the processor: expand to the pending samples and state each one's request.
 
 Runs as a Ray Data task over Arrow batches, right after the read tasks. Each pending
-(id, sample_index) becomes one row in the processor's shape (``pipeline/processor/prepare.py``):
+(id, sample_index) becomes one row in the processor's shape (``pipeline/requests/prepare.py``):
 ``prompt`` / ``messages`` from the configured columns, a ``sampling_params`` struct (the config's
 defaults overridden by the row's own columns, with a seed derived from (seed, id, sample_index)),
 ``__structured_field`` (where the row's constraint came from, for the prepare stage's compile
@@ -22,15 +22,15 @@ import pyarrow.compute as pc
 from orthrus import Constraint, SamplingParams
 from orthrus.constraints import parse_constraint
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
-from pipeline.processor.prepare import PreparePlan, as_int, prepare_batch, values
-from pipeline.rows import schema as S
-from pipeline.rows.column_types import convert
-from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.inputs import INPUT_ERROR, InputPlan
-from pipeline.rows.prompts import ChatTemplate, RowError
-from pipeline.rows.request import sampling_to_arrow
-from pipeline.rows.request_keys import JOB_COLUMNS, unsupported
-from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
+from pipeline.requests.prepare import PreparePlan, as_int, prepare_batch, values
+from pipeline import schema as S
+from pipeline.inputs.column_types import convert
+from pipeline.requests.errors import ERROR, row_error
+from pipeline.inputs.plan import INPUT_ERROR, InputPlan
+from pipeline.requests.prompts import ChatTemplate, RowError
+from pipeline.requests.request import sampling_to_arrow
+from pipeline.requests.request_keys import JOB_COLUMNS, unsupported
+from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
 
 
 

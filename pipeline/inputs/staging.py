@@ -34,10 +34,10 @@ import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, InputConfig, StorageConfig
 from pipeline.output.directory import STAGED_DIR, OutputDir
-from pipeline.rows.inputs import PARQUET_SUFFIXES, resolve_files
-from pipeline.rows.json_lines import JSON_SUFFIXES, Tally, jsonl_tables, open_stream
-from pipeline.rows.openai_batch import openai_tables
-from pipeline.rows.staged_source import STAGED_KEY
+from pipeline.inputs.plan import PARQUET_SUFFIXES, resolve_files
+from pipeline.inputs.json_lines import JSON_SUFFIXES, Tally, jsonl_tables, open_stream
+from pipeline.inputs.openai_batch import openai_tables
+from pipeline.inputs.staged_source import STAGED_KEY
 from pipeline.storage.uris import STORE_ERRORS
 from pipeline.tasks import map_tasks
 

@@ -5,7 +5,7 @@ is: ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.
 row's id is ``custom_id``; body's sampling fields become the per-row override columns
 (``schema.OVERRIDE_COLUMNS``) under this job's names, and ``response_format`` (or vLLM's
 ``guided_*`` extras) the row's structured-output constraint, staged with the field it came from
-(``rows/structured.py``; whether it compiles is checked with the tokenizer, in the prepare stage,
+(``requests/structured.py``; whether it compiles is checked with the tokenizer, in the prepare stage,
 and reported naming that field). Keys this job does not read follow ``request_keys.py``'s one rule:
 bookkeeping (``model``, ``user``, ``metadata`` ...) is ignored, an option we do not implement is
 accepted only at its default, anything else is the row's error naming ``body.<key>``. A line
@@ -22,11 +22,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from orthrus import SamplingParams
-from pipeline.rows.inputs import INPUT_ERROR
-from pipeline.rows.json_lines import Tally, kind, parsed_chunks
-from pipeline.rows.prompts import RowError
-from pipeline.rows.request_keys import check_keys
-from pipeline.rows.structured import (GUIDED_KEYS, OFF, STAGED_STRUCTURED, STRUCTURED_FIELD, VLLM_KINDS, Off,
+from pipeline.inputs.plan import INPUT_ERROR
+from pipeline.inputs.json_lines import Tally, kind, parsed_chunks
+from pipeline.requests.prompts import RowError
+from pipeline.requests.request_keys import check_keys
+from pipeline.requests.structured import (GUIDED_KEYS, OFF, STAGED_STRUCTURED, STRUCTURED_FIELD, VLLM_KINDS, Off,
                                       constraint_json, parse_spec)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

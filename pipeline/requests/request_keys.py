@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from pipeline.rows.prompts import RowError
+from pipeline.requests.prompts import RowError
 
 IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream", "stream_options",
                      "request_id", "priority", "name"})
