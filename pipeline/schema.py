@@ -57,10 +57,6 @@ JOB_NAMES = {"completion": "generated_text", "num_prompt_tokens": "num_input_tok
 PROCESSOR_INPUTS = ("prompt", "messages", "tokenized_prompt", "sampling_params")
 KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
 
-# Per-row input columns that override the sampling defaults (consumed, never passed through).
-OVERRIDE_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "logprobs", "stop",
-                                     "structured")
-
 # Internal columns carried between stages; the "__" prefix keeps them apart from user columns.
 INTERNAL_PREFIX = "__"
 FILE = "__file"                        # read -> driver: index of the row's input file in the plan

@@ -29,7 +29,8 @@ import pyarrow.parquet as pq
 from pipeline.inputs.column_types import plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
 from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
-from pipeline.schema import GENERATED_FIELDS, INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, PROCESSOR_INPUTS
+from pipeline.requests.sampling_fields import OVERRIDE_COLUMNS
+from pipeline.schema import GENERATED_FIELDS, INTERNAL_PREFIX, OUTPUT_NAMES, PROCESSOR_INPUTS
 from pipeline.storage.uris import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
 _GLOB_CHARS = set("*?[")

@@ -12,6 +12,10 @@ MAX_ERROR_CHARS = 500   # a cell's text can be huge (a whole prompt in an except
 ERROR = "error"         # the column; null unless finish_reason == "error"
 
 
+class RowError(ValueError):
+    """A problem with one row: it becomes an error row, the job goes on."""
+
+
 def row_error(what: str, cause: BaseException | str | None = None) -> str:
     """The error message of one row: ``what``, then the cause (an exception names its type)."""
     if cause is None:

@@ -115,7 +115,7 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
     assert errors["ok-msg"] is None and errors["ok-prompt"] is None
     assert errors["neither"] == "row has neither a prompt nor messages"
     assert "messages[0] must have string 'role' and 'content'" in errors["bad-msg"]
-    assert "temperature must be a finite number >= 0" in errors["bad-temp"]
+    assert "column 'temperature' must be a finite number >= 0" in errors["bad-temp"]
     assert "'top_k' must be an integer" in errors["bad-topk"]
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     first = out[0]

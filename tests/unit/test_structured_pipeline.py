@@ -17,7 +17,8 @@ from pipeline.config import ConfigError, ModelConfig, StorageConfig, load_config
 from pipeline.requests.prepare import PreparePlan, prepare_batch, sampling_params_of
 from pipeline.inputs.json_lines import infer
 from pipeline.inputs.openai_batch import request_row
-from pipeline.requests.prompts import ChatTemplate, RowError
+from pipeline.requests.errors import RowError
+from pipeline.requests.prompts import ChatTemplate
 from pipeline.requests.request import REQUEST, REQUEST_TYPE, from_arrow, to_arrow
 from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
 from pipeline.run.fingerprint import fingerprint
@@ -103,7 +104,7 @@ def test_openai_response_format_and_guided_keys_become_the_rows_constraint():
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
      "body.response_format.json_schema.schema: .*must be a JSON schema"),
     ({"guided_choice": []}, "body.guided_choice: .*non-empty list"),
-    ({"guided_regex": "x", "stop": ["\n"]}, "body.stop cannot be combined with body.guided_regex")])
+    ({"guided_regex": "x", "stop": ["\n"]}, "body.guided_regex cannot be combined with body.stop")])
 def test_a_bad_openai_constraint_is_that_lines_error(body, message):
     row = _staged(**body)
     assert set(row) == {"id", "__input_error"}
