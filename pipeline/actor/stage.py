@@ -15,7 +15,7 @@ batch's rows are in it -- out of memory included -- the batch is retried *alone*
 then split in halves, recursively; a row that still fails alone becomes an error row with the
 message. So one poison row or one group too big for the device costs a few retries, not the job,
 and rows of other batches are never blamed for it. An actor *process* that dies is restarted by Ray
-and its batches retried. ``faults.py`` can simulate the out-of-memory case for tests (off by default).
+and its batches retried. ``faults.FaultyStage``, a test-only subclass, can simulate the out-of-memory case.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from pipeline.requests.request import REQUEST, Requests, read_requests
 from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
 from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy, Prefill
-from pipeline.actor.faults import FAULT_ENV, FaultInjector
 from pipeline.actor.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
@@ -51,7 +50,6 @@ class StagePlan:
     use_gpu: bool
     audit: AuditConfig = AuditConfig()
     row_timeout_s: float | None = None
-    fault_inject: str | None = None   # test-only, see faults.py; None in production
     storage: StorageConfig = StorageConfig()
     detokenize: bool = True           # False: generated_text stays null (ids only)
     batch_records: bool = False       # the job's driver reads one ``__batch`` record per batch
@@ -76,6 +74,8 @@ def _actor_identity() -> tuple[str, str]:
 class GenerationStage:
     """``map_batches`` callable class: one model replica per actor."""
 
+    wants_row_keys = False      # a subclass acting on rows' ids (``faults.FaultyStage``) sets it
+
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
         self.device = "cuda" if plan.use_gpu and torch.cuda.is_available() else "cpu"
@@ -92,10 +92,6 @@ class GenerationStage:
         self.metrics = _actor_metrics(self.actor)
         self.total_tokens = 0
         self.prefill_reported = Prefill()   # the engine's prefill counts at the previous batch's end
-        self.faults = FaultInjector.parse(plan.fault_inject)
-        if self.faults:
-            print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={plan.fault_inject!r}); test-only",
-                  flush=True)
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}] device={self.device} "
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
@@ -106,12 +102,17 @@ class GenerationStage:
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
                              speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache)
 
+    async def _before_batch(self) -> None:
+        """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""
+
+    def _before_generate(self, ids: list[str]) -> None:
+        """Called right before rows go into the engine (``faults.FaultyStage`` raises out of memory)."""
+
     async def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
                         ) -> list[RequestOutput | Exception]:
         """Decode rows in the shared engine; if a step fails while they are in it, isolate them."""
         try:
-            if self.faults:
-                self.faults.before_generate(ids)
+            self._before_generate(ids)
             return await self.loop.run(prompts, params)
         except Exception as e:  # noqa: BLE001 - narrowed to rows below; torch.OutOfMemoryError is one
             cause = e.cause if isinstance(e, GroupFailed) else e
@@ -129,8 +130,7 @@ class GenerationStage:
         depends only on its own seed, so a retried row decodes exactly as it would have in the batch.
         """
         try:
-            if self.faults:
-                self.faults.before_generate(ids)
+            self._before_generate(ids)
             return await self.loop.run(prompts, params, exclusive=True)
         except Exception as e:  # noqa: BLE001 - see above
             cause = e.cause if isinstance(e, GroupFailed) else e
@@ -171,11 +171,10 @@ class GenerationStage:
         prompts, params = requests.prompts, requests.params
         results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
         audits: dict[int, int | None] = {}      # audited row -> its first divergence (None: equal to AR)
-        if self.faults:
-            await self.faults.slow_down()
+        await self._before_batch()
         if todo:
             fraction = self.plan.audit.fraction
-            ids = _row_keys(batch, requests) if self.faults or fraction > 0 else []   # read only there
+            ids = _row_keys(batch, requests) if self.wants_row_keys or fraction > 0 else []   # read only there
             audited = [i for i in todo if params[i].greedy and is_audited(ids[i], fraction)] if fraction > 0 else []
             out, ar = await asyncio.gather(
                 self._generate([ids[i] for i in todo] if ids else [], [prompts[i] for i in todo],

@@ -242,8 +242,10 @@ def one_thread():
 
 
 def _stage(cfg, fault: str | None = None) -> GenerationStage:
-    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
-                                     fault_inject=fault))
+    from pipeline.actor.faults import FaultyStage
+
+    plan = StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False)
+    return GenerationStage(plan) if fault is None else FaultyStage(plan, fault)
 
 
 def test_oom_batches_split_and_retry_and_a_row_failing_alone_is_an_error_row(tmp_path, tiny_orthrus_dir, capsys,
@@ -283,6 +285,19 @@ def test_fault_spec_is_checked():
     assert FaultInjector.parse("oom_if_batch_gt:3,oom_on_id:a:b").oom_ids == {"a:b"}
     with pytest.raises(ValueError, match="cannot parse 'oom_if_batch_gt:x'"):
         FaultInjector.parse("oom_if_batch_gt:x")
+
+
+def test_the_fault_variable_selects_the_faulty_stage(monkeypatch):
+    from pipeline.actor.faults import FAULT_ENV, FaultyStage, stage_for
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert stage_for(GenerationStage) == (GenerationStage, {})
+    monkeypatch.setenv(FAULT_ENV, "oom_on_id:r4")
+    assert stage_for(GenerationStage) == (FaultyStage, {"faults": "oom_on_id:r4"})
+    assert issubclass(FaultyStage, GenerationStage)
+    monkeypatch.setenv(FAULT_ENV, "oom_if_batch_gt:x")
+    with pytest.raises(ValueError, match="cannot parse 'oom_if_batch_gt:x'"):     # in the driver, up front
+        stage_for(GenerationStage)
 
 
 def test_shards_with_differing_schemas_preprocess_to_one_schema(tmp_path, weightless_model):
