@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import torch
 
-from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
+from orthrus import EngineStats, OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline import schema as S
 from pipeline.requests.errors import ERROR, row_error
 from pipeline.requests.request import REQUEST, Requests, read_requests
 from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
-from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy, Prefill
+from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed
+from pipeline.actor.records import BATCH_RECORD, EngineSnapshot, growth, occupancy_record
 from pipeline.actor.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
@@ -91,7 +92,7 @@ class GenerationStage:
         self.actor, self.gpu_ids = _actor_identity()
         self.metrics = _actor_metrics(self.actor)
         self.total_tokens = 0
-        self.prefill_reported = Prefill()   # the engine's prefill counts at the previous batch's end
+        self.reported = EngineStats()   # the engine's counters at the previous batch record
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}] device={self.device} "
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
@@ -187,14 +188,14 @@ class GenerationStage:
                     audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
         end = self.loop.occupancy()
-        # Prefill counts since the previous batch's end (not since this one's arrival: batches
-        # overlap), so this actor's batches add up to its engine's counts.
-        prefill, self.prefill_reported = end.prefill.since(self.prefill_reported), end.prefill
-        table = self._assemble(batch, results, errors, params, audits, (started, seconds), (arrival, end), prefill)
+        # Counters since the previous batch's end (not since this one's arrival: batches overlap),
+        # so this actor's batches add up to its engine's counts.
+        since, self.reported = growth(end.stats, self.reported), end.stats
+        table = self._assemble(batch, results, errors, params, audits, (started, seconds), (arrival, end), since)
         table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
         if self.metrics is not None:
             try:
-                self.metrics.record(table, end, prefill)
+                self.metrics.record(table, end, since)
             except Exception as e:  # noqa: BLE001 - metrics are for watching; they never fail a finished batch
                 print(f"[orthrus] actor {self.actor}: could not update metrics: {type(e).__name__}: {e}", flush=True)
         self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
@@ -229,7 +230,7 @@ class GenerationStage:
 
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], params: list,
                   audits: dict[int, int | None], call_time: tuple[float, float],
-                  occupancy: tuple[Occupancy, Occupancy], prefill: Prefill) -> pa.Table:
+                  occupancy: tuple[EngineSnapshot, EngineSnapshot], since: EngineStats) -> pa.Table:
         """The batch's rows with the generation columns (the processor's contract, ``schema.GENERATED``)."""
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
@@ -247,10 +248,10 @@ class GenerationStage:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
                   "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
-                  "occupancy": _occupancy_record(*occupancy), "prefill": asdict(prefill)}
+                  "occupancy": occupancy_record(*occupancy), "since": asdict(since)}
         # One record per batch, on its first row: the driver reads the few non-null ones.
-        return table.append_column(pa.field(S.BATCH, S.BATCH_RECORD),
-                                   pa.array(([record] + [None] * (n - 1)) if n else [], S.BATCH_RECORD))
+        return table.append_column(pa.field(S.BATCH, BATCH_RECORD),
+                                   pa.array(([record] + [None] * (n - 1)) if n else [], BATCH_RECORD))
 
     def _log(self, rows: int, tokens: int, seconds: float, engine_seconds: float) -> None:
         """Per-actor throughput, visible in the driver's log while the job runs (the actor total is
@@ -291,10 +292,3 @@ def _actor_metrics(actor: str) -> ActorMetrics | None:
     import ray
 
     return ActorMetrics(actor) if ray.is_initialized() else None
-
-
-def _occupancy_record(arrival: Occupancy, end: Occupancy) -> dict:
-    """Engine counters at a batch's arrival and at its end (``schema.OCCUPANCY``)."""
-    at = lambda o: {"iterations": o.iterations, "busy_slot_iterations": o.busy_slot_iterations,  # noqa: E731
-                    "engine_ms": o.engine_ms}
-    return {"slots": end.slots, "arrival": at(arrival), "end": at(end)}

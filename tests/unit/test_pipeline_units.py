@@ -249,15 +249,16 @@ def test_acceptance_statistics():
 
 def test_throughput_tracker_separates_startup_from_steady_rate():
     from pipeline import schema as S
+    from pipeline.actor.records import BATCH_RECORD
     from pipeline.report.throughput import ThroughputTracker
 
     def block(call: str, tokens: int, occupancy: dict | None, started: float | None = None) -> pa.Table:
         record = {"actor": "a", "gpu_ids": "", "call_id": call, "rows": 2, "tokens": 2 * tokens, "seconds": 1.0,
                   "started": started, "occupancy": occupancy}
-        return pa.table({S.BATCH: pa.array([record, None], S.BATCH_RECORD)})
+        return pa.table({S.BATCH: pa.array([record, None], BATCH_RECORD)})
 
     def occ(iterations: tuple[int, int], busy: tuple[int, int], slots: int, engine_ms: tuple[int, int]) -> dict:
-        """Engine counters at arrival and at the end (schema.OCCUPANCY)."""
+        """Engine counters at arrival and at the end (actor/records.OCCUPANCY)."""
         at = lambda i: {"iterations": iterations[i], "busy_slot_iterations": busy[i],  # noqa: E731
                         "engine_ms": engine_ms[i]}
         return {"slots": slots, "arrival": at(0), "end": at(1)}
@@ -301,3 +302,18 @@ def test_request_column_reads_back_column_wise_per_row_settings_and_seeds():
     assert back.params == [r[1] if r else None for r in rows]               # every setting, each row's seed
     assert back.prompt_ids.offsets.to_pylist()[-1] == len(back.prompt_ids.values)
     assert read_requests(pa.chunked_array([], to_arrow([]).type)).params == []
+
+
+def test_batch_records_carry_every_engine_counter():
+    """The records' engine structs derive from ``EngineStats``: a new counter needs no pipeline edit."""
+    import dataclasses
+
+    from orthrus import EngineStats
+    from pipeline.actor.records import BATCH_RECORD, COUNTERS, EngineSnapshot, growth, occupancy_record
+
+    names = [f.name for f in dataclasses.fields(EngineStats)]
+    assert COUNTERS.names == [*names, "engine_ms"] and BATCH_RECORD.field("since").type.names == names
+    early, late = EngineStats(*range(len(names))), EngineStats(*(2 * i + 1 for i in range(len(names))))
+    assert growth(late, early) == late - early and growth(early, late) == EngineStats()   # a reset never goes below 0
+    record = occupancy_record(EngineSnapshot(early, 4, 10), EngineSnapshot(late, 4, 30))
+    assert pa.array([record], BATCH_RECORD.field("occupancy").type).to_pylist() == [record]
