@@ -317,3 +317,13 @@ def test_batch_records_carry_every_engine_counter():
     assert growth(late, early) == late - early and growth(early, late) == EngineStats()   # a reset never goes below 0
     record = occupancy_record(EngineSnapshot(early, 4, 10), EngineSnapshot(late, 4, 30))
     assert pa.array([record], BATCH_RECORD.field("occupancy").type).to_pylist() == [record]
+
+
+def test_one_function_decides_finish_reason_and_error_together():
+    from pipeline.requests.errors import MAX_ERROR_CHARS, finish_columns
+
+    reasons, errors = finish_columns(["stop", "length", None, "stop", "error", None],
+                                     [None, None, "prompt is empty", "detokenization failed: X", None, "x" * 900])
+    assert reasons == ["stop", "length", "error", "error", "error", "error"]
+    assert errors == [None, None, "prompt is empty", "detokenization failed: X", "not decoded", "x" * MAX_ERROR_CHARS]
+    assert all((r == "error") == (e is not None) for r, e in zip(reasons, errors))     # consistent by construction
