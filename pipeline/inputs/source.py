@@ -1,6 +1,6 @@
 """Reading the inputs: a Ray Data datasource with one read task per (file, row group).
 
-The driver only lists files and reads their footers (``inputs.py``); every row is read here, in
+The driver only lists files and reads their footers (``plan.py``); every row is read here, in
 Ray tasks. Each task reads one row group, so it knows each row's index in its file exactly: that
 index is the row's coordinate in the output's part footers (``output/sources.py``), the base of a
 derived id (``<file name>:<row index>``), and what resume filters on. A task is given only its own

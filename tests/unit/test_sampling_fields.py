@@ -133,3 +133,10 @@ def test_min_tokens_end_to_end_on_the_bundled_model(stage, tmp_path):
         (row,) = _generated(stage, table)
         _no_eos_before(row, 12, stage.eos_ids)
         assert row["generated_tokens"] == processor["generated_tokens"]     # greedy: one answer, three sources
+
+
+def test_min_tokens_is_in_the_resume_fingerprint_only_when_set(tmp_path):
+    from pipeline.run.fingerprint import fingerprint
+
+    assert "sampling.min_tokens" not in fingerprint(_job(tmp_path, {}, prompt=["a"]))    # older outputs resume
+    assert fingerprint(_job(tmp_path, {"min_tokens": 3}, prompt=["a"]))["sampling.min_tokens"] == 3
