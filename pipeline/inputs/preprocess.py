@@ -26,9 +26,8 @@ from pipeline.requests.prepare import PreparePlan, prepare_batch, values
 from pipeline.requests.sampling_fields import BY_ENGINE, FIELDS, as_int, build, parse, stop_with_structured
 from pipeline import schema as S
 from pipeline.inputs.column_types import convert
-from pipeline.requests.errors import ERROR, row_error
 from pipeline.inputs.plan import INPUT_ERROR, InputPlan
-from pipeline.requests.errors import RowError
+from pipeline.requests.errors import ERROR, RowError, row_error
 from pipeline.requests.prompts import ChatTemplate
 from pipeline.requests.request import sampling_to_arrow
 from pipeline.requests.request_keys import JOB_COLUMNS, unsupported

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from orthrus.metrics import acceptance_by_position, tokens_per_cycle
 from pipeline.output import stats as St
-from pipeline.output.stats import column_sum, prefix_cache_hit_rate
+from pipeline.output.stats import prefix_cache_hit_rate
 from pipeline.output.directory import SUMMARY_JSON, SUMMARY_PNG, OutputDir
 from pipeline.schema import key_strings
 
