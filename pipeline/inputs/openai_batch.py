@@ -92,7 +92,10 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
            for f in _BODY}
     try:
         given = {e: parse(BY_ENGINE[e], v, name(e), vllm=True) for e, v in raw.items() if v is not None}
-        build({k: v for k, v in given.items() if k != "stop"}, name)   # the engine's rules, now
+        check = {k: v for k, v in given.items() if k != "stop"}
+        if "min_tokens" in check:    # without max_tokens the job's default decides; checked against it later
+            check.setdefault("max_new_tokens", max(1, check["min_tokens"]))
+        build(check, name)           # the engine's rules, now
     except RowError as e:
         raise _Bad(str(e)) from None
     return {f.column: (list(given[f.engine]) if f.kind == "strings" else given[f.engine])

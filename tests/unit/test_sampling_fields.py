@@ -91,6 +91,8 @@ def test_min_tokens_in_sampling_params_and_an_openai_body():
     row, _ = request_row({**body, "body": {**body["body"], "max_completion_tokens": 2, "min_tokens": 3}}, None, 1,
                          "b.jsonl")
     assert row["__input_error"].startswith("line 1 of b.jsonl: body.min_tokens must be an int in [0, max_new_tokens=2]")
+    no_max = {**body, "body": {"prompt": "x", "min_tokens": 100}}       # the job's max_new_tokens decides, later
+    assert request_row(no_max, None, 1, "b.jsonl")[0]["min_tokens"] == 100
 
 
 @pytest.fixture(scope="module")
