@@ -99,13 +99,17 @@ class PromptConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/seed/logprobs/stop/structured
-    override them."""
+    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/min_tokens/seed/logprobs/stop/
+    structured override them (``pipeline/requests/sampling_fields.py``)."""
 
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     max_new_tokens: int = Field(256, ge=1, description="Most tokens generated per sample.")
+    min_tokens: int = Field(0, ge=0, description=(
+        "Fewest tokens generated per sample (vLLM's min_tokens): no EOS or stop_token_ids token ends a sample "
+        "before it has this many (stop strings still do). At most max_new_tokens; cannot be combined with "
+        "structured. 0 = off. A row's own 'min_tokens' column wins."))
     stop: list[str] = Field(default_factory=list, description=(
         "Stop strings: a row ends inside the engine in the iteration the first one appears, and the "
         "completion is cut right before it (finish_reason 'stop')."))
@@ -160,6 +164,11 @@ class SamplingConfig(_Section):
         if self.structured is not None and which:
             raise ValueError(f"structured cannot be combined with {which}: a constrained row ends where its "
                              "grammar is complete (a stop could cut it mid-record)")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.min_tokens and self.structured is not None:
+            raise ValueError("min_tokens cannot be combined with structured: a complete grammar may allow only EOS, "
+                             "which min_tokens forbids")
         return self
 
 

@@ -1,12 +1,14 @@
 """One function over many argument tuples: as Ray tasks when Ray is running, inline otherwise.
 
-Shared by the output repairs (``output/repair.py``) and the input staging (``rows/staging.py``):
+Shared by the output repairs (``output/repair.py``) and the input staging (``inputs/staging.py``):
 both run one independent, retry-safe task per file or part and bring back only small results, so
 the driver's work is bounded by the number of calls, and tests without Ray run the same code inline.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from pipeline.exceptions import ray_cause
 
 
 def map_tasks(fn: Callable[..., Any], calls: list[tuple]) -> list:
@@ -24,7 +26,7 @@ def map_tasks(fn: Callable[..., Any], calls: list[tuple]) -> list:
     except ray.exceptions.RayTaskError as e:
         # The task's own exception (a refusal such as ConfigError reads as one line), not Ray's
         # wrapper of it, whose message is the remote traceback; that stays on the chain for logs.
-        cause = getattr(e, "cause", None)
+        cause = ray_cause(e)
         if isinstance(cause, Exception):
             raise cause from e
         raise

@@ -127,13 +127,12 @@ def stop_string_waste(config_path: str) -> dict:
     stop strings applied after decoding (the design before the streaming engine: a row decodes to
     EOS or ``max_new_tokens``) and inside the engine (now): tokens decoded after the token that
     completed a stop string, summed. Greedy, so both runs decode the same sequence up to the stop."""
-    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from pipeline.config import load_config
     from pipeline.run.job import preflight
-    from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-    from pipeline.rows.source import read_file
+    from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+    from pipeline.inputs.source import read_file
 
     cfg = load_config(config_path, [])
     inputs = preflight(cfg).inputs
@@ -199,8 +198,8 @@ def audit_overhead(model_dir: str, prompts_dir: str, rows: int = 64, max_new_tok
     """Median batch seconds per audit fraction, and each one's ratio to no audit."""
     from pipeline.actor.stage import GenerationStage, StagePlan
     from pipeline.config import AuditConfig, load_config
-    from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-    from pipeline.rows.source import read_file
+    from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+    from pipeline.inputs.source import read_file
     from pipeline.run.job import preflight
 
     texts = pads.dataset(prompts_dir, format="parquet").to_table(columns=["prompt"]).column("prompt").to_pylist()

@@ -41,8 +41,9 @@ import pyarrow.compute as pc
 from jobs.bench import common
 from jobs.bench.scale_data import (BLOCK, FILES, REPO, copy_output, ids_of, job_config, swapped_blocks,
                                    write_committed, write_inputs)
-from pipeline.rows import schema as S
-from pipeline.rows.request import REQUEST
+from pipeline import schema as S
+from pipeline.actor.records import BATCH_RECORD
+from pipeline.requests.request import REQUEST
 
 RESULT = "BENCH_SCALE_RESULT "
 TARGETS = {"fresh_startup_ratio": 1.3, "fresh_rss_delta_mb": 100, "resume_startup_ratio": 1.5,
@@ -72,8 +73,8 @@ class NullStage:
             table = table.append_column(name, values)
         record = {"actor": self.actor, "gpu_ids": "", "call_id": uuid.uuid4().hex, "rows": n, "tokens": 0,
                   "seconds": time.time() - started, "started": started, "occupancy": None}
-        return table.append_column(pa.field(S.BATCH, S.BATCH_RECORD),
-                                   pa.array(([record] + [None] * (n - 1)) if n else [], S.BATCH_RECORD))
+        return table.append_column(pa.field(S.BATCH, BATCH_RECORD),
+                                   pa.array(([record] + [None] * (n - 1)) if n else [], BATCH_RECORD))
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         return self.finish(batch, time.time())

@@ -94,8 +94,8 @@ def write_committed(inputs: Path, dest: Path, left: int = 1000) -> Path:
     from pipeline.config import load_config
     from pipeline.output.directory import OutputDir
     from pipeline.output.parts import PartWriter
-    from pipeline.rows.inputs import inspect_inputs
-    from pipeline.rows.schema import output_schema, to_output_table
+    from pipeline.inputs.plan import inspect_inputs
+    from pipeline.schema import output_schema, to_output_table
     from pipeline.run.fingerprint import fingerprint
 
     if _complete(dest).exists():

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from orthrus import EngineStepError, OrthrusEngine, RequestOutput, SamplingParams
+from pipeline.actor.records import EngineSnapshot
 
 
 MAIN, AUDIT = "main", "audit"
@@ -54,32 +55,6 @@ class _Group:
     ids: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Prefill:
-    """Prompt tokens the engine prefilled (computed) and copied from a slot holding them instead
-    (the prefix cache); the fields of ``schema.PREFILL``."""
-
-    computed_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-
-    def since(self, earlier: Prefill) -> Prefill:
-        """The tokens counted after ``earlier`` (both cumulative counts of one engine)."""
-        return Prefill(max(0, self.computed_tokens - earlier.computed_tokens),
-                       max(0, self.prefix_cache_hit_tokens - earlier.prefix_cache_hit_tokens))
-
-
-@dataclass
-class Occupancy:
-    """The main engine's counters since the actor started: slot occupancy = busy_slot_iterations /
-    (iterations x slots), its busy time, and its prefilled prompt tokens."""
-
-    iterations: int
-    busy_slot_iterations: int
-    slots: int
-    engine_ms: int               # wall time spent inside engine steps (the actor's busy time)
-    prefill: Prefill = field(default_factory=Prefill)
-
-
 class EngineLoop:
     """Owns ``engine`` and steps it in a daemon thread; ``await run(...)`` decodes one group."""
 
@@ -102,11 +77,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._loop, name="orthrus-engine", daemon=True)
         self._thread.start()
 
-    def occupancy(self) -> Occupancy:
-        """A snapshot of the engine's counters (plain ints; racy reads are fine for statistics)."""
-        e = self.engine
-        return Occupancy(e.stats.iterations, e.stats.busy_slot_iterations, e.max_batch_size, int(self._engine_seconds * 1000),
-                         Prefill(e.stats.prefill_tokens, e.stats.prefix_cache_hit_tokens))
+    def occupancy(self) -> EngineSnapshot:
+        """A snapshot of the main engine's counters (racy reads are fine for statistics)."""
+        return EngineSnapshot(self.engine.stats, self.engine.max_batch_size, int(self._engine_seconds * 1000))
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams],
                   exclusive: bool = False, engine: str = MAIN) -> list[RequestOutput]:

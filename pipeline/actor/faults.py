@@ -1,17 +1,18 @@
 """Test-only fault injection for the generation stage (off unless ``ORTHRUS_FAULT_INJECT`` is set).
 
 The fault tests need an engine that runs out of memory on demand, on a CPU machine, without mocking
-the engine. The stage consults a :class:`FaultInjector` right before each ``engine.generate`` call
-and raises a real ``torch.OutOfMemoryError`` when a directive matches, exactly as a CUDA OOM would
-surface from the engine. Directives (comma-separated)::
+the engine. :class:`FaultyStage`, a subclass of the generation stage, consults a :class:`FaultInjector`
+right before rows go into the engine and raises a real ``torch.OutOfMemoryError`` when a directive
+matches, exactly as a CUDA OOM would surface from the engine. Directives (comma-separated)::
 
     oom_if_batch_gt:N   every generate call with more than N rows runs out of memory
     oom_on_id:ID        every generate call that holds the row with id ID runs out of memory
     sleep_per_batch:S   every batch takes S seconds longer (a slow device; for the wall-time guard)
 
 e.g. ``ORTHRUS_FAULT_INJECT=oom_if_batch_gt:2,oom_on_id:row-7``. The driver reads the variable
-(``dataset.build_dataset``) and ships it to the actors in ``StagePlan.fault_inject``, so it acts on
-every node; an active injector announces itself in the actor log. Never set it in production.
+(:func:`stage_for`, from ``run/dataset.py``): set, the actors are a :class:`FaultyStage` given the
+spec as a constructor argument, so it acts on every node; an active injector announces itself in
+the actor log. No config carries it. Never set it in production.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.actor.stage import GenerationStage, StagePlan
 
 FAULT_ENV = "ORTHRUS_FAULT_INJECT"
 
@@ -70,3 +73,33 @@ class FaultInjector:
         if hit:
             raise torch.OutOfMemoryError(f"simulated out of memory ({FAULT_ENV}): batch holds row "
                                          f"{sorted(hit)[0]!r}")
+
+
+class FaultyStage(GenerationStage):
+    """The generation stage with faults injected (test-only): ``faults`` is an ``ORTHRUS_FAULT_INJECT`` spec."""
+
+    wants_row_keys = True
+
+    def __init__(self, plan: StagePlan, faults: str) -> None:
+        self.faults = FaultInjector.parse(faults)
+        super().__init__(plan)
+        print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={faults!r}); test-only", flush=True)
+
+    async def _before_batch(self) -> None:
+        if self.faults:
+            await self.faults.slow_down()
+
+    def _before_generate(self, ids: list[str]) -> None:
+        if self.faults:
+            self.faults.before_generate(ids)
+
+
+def stage_for(stage_cls: type) -> tuple[type, dict]:
+    """The actor class and its extra constructor arguments: :class:`FaultyStage` with the spec when
+    ``ORTHRUS_FAULT_INJECT`` is set (a malformed spec fails here, in the driver), else ``stage_cls``."""
+    spec = from_environment()
+    if FaultInjector.parse(spec) is None:
+        return stage_cls, {}
+    if stage_cls is not GenerationStage:
+        raise ValueError(f"{FAULT_ENV} is set, but the job runs the stand-in stage {stage_cls.__name__}")
+    return FaultyStage, {"faults": spec}

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from pipeline.rows import schema as S
-from pipeline.rows.errors import ERROR, row_error
+from pipeline import schema as S
+from pipeline.requests.errors import ERROR, finish_columns, row_error
 
 
 def detokenize_batch(batch: pa.Table, tokenizer) -> pa.Table:
     """Add ``generated_text`` (the engine's stop-string text, else the decoded ids; null without a
-    tokenizer, i.e. ``detokenize=False``); drop the internal columns."""
+    tokenizer, i.e. ``detokenize=False``), decide each row's ``finish_reason`` and ``error``
+    (``errors.finish_columns``); drop the internal columns."""
     text_ids = batch[S.TEXT_IDS].to_pylist()
     stop_text = batch[S.STOP_TEXT].to_pylist()
     reasons = batch["finish_reason"].to_pylist()
@@ -26,7 +27,7 @@ def detokenize_batch(batch: pa.Table, tokenizer) -> pa.Table:
     completions: list[str | None] = [None] * len(text_ids)
     todo: list[int] = []                   # rows whose text is decoded from their ids
     for i, (reason, stop) in enumerate(zip(reasons, stop_text)):
-        if reason == "error" or tokenizer is None:
+        if reason is None or errors[i] is not None or tokenizer is None:
             continue
         if stop is not None:
             completions[i] = stop
@@ -34,9 +35,10 @@ def detokenize_batch(batch: pa.Table, tokenizer) -> pa.Table:
             todo.append(i)
     for i, text in zip(todo, _decode_all(tokenizer, [text_ids[i] for i in todo])):
         if isinstance(text, Exception):   # a row that cannot be decoded is an error row
-            reasons[i], errors[i] = "error", row_error("detokenization failed", text)
+            errors[i] = row_error("detokenization failed", text)
         else:
             completions[i] = text
+    reasons, errors = finish_columns(reasons, errors)     # the one decision: they agree by construction
     table = batch.drop_columns([S.TEXT_IDS, S.STOP_TEXT, "finish_reason", ERROR])
     for name, typ, values in (("generated_text", pa.string(), completions), ("finish_reason", pa.string(), reasons),
                               (ERROR, pa.string(), errors)):

@@ -8,24 +8,24 @@ scoring jobs) this pass weighs as much as the decoding, so it counts.
 from __future__ import annotations
 
 from orthrus import RequestOutput, SamplingParams
-from pipeline.rows import schema as S
-from pipeline.rows.errors import ERROR, row_error
+from pipeline import schema as S
+from pipeline.requests.errors import ERROR
 
 # The columns filled from a RequestOutput, in the order of the tuple ``_row`` returns.
 _COLUMNS = ("generated_tokens", "num_generated_tokens", "finish_reason", "num_cycles", "num_forward_passes",
             "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
             "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
             "time_in_engine_s", S.TEXT_IDS, S.STOP_TEXT)
-_ERROR_ROW = (None, None, "error", *[None] * (len(_COLUMNS) - 3))
+_ERROR_ROW = (None,) * len(_COLUMNS)        # finish_reason and error: ``errors.finish_columns``
 
 
 def result_columns(ok: list[RequestOutput | None], errors: list[str | None], params: list[SamplingParams | None],
                    eos_ids: frozenset[int]) -> dict[str, list]:
-    """Per-row values of what the engine returned (None, and ``finish_reason`` "error", for rows
-    without a result; their ``error`` is ``errors[i]``)."""
+    """Per-row values of what the engine returned (None for rows without a result), and ``errors``
+    as the ``error`` column; ``postprocess.detokenize_batch`` decides the rows' finish (``finish_columns``)."""
     rows = [_row(r, p, eos_ids) if r is not None else _ERROR_ROW for r, p in zip(ok, params)]
     cols = dict(zip(_COLUMNS, map(list, zip(*rows)))) if rows else {name: [] for name in _COLUMNS}
-    cols[ERROR] = [None if r is not None else (e or row_error("not decoded")) for r, e in zip(ok, errors)]
+    cols[ERROR] = [None if r is not None else e for r, e in zip(ok, errors)]
     return cols
 
 

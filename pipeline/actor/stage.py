@@ -15,7 +15,7 @@ batch's rows are in it -- out of memory included -- the batch is retried *alone*
 then split in halves, recursively; a row that still fails alone becomes an error row with the
 message. So one poison row or one group too big for the device costs a few retries, not the job,
 and rows of other batches are never blamed for it. An actor *process* that dies is restarted by Ray
-and its batches retried. ``faults.py`` can simulate the out-of-memory case for tests (off by default).
+and its batches retried. ``faults.FaultyStage``, a test-only subclass, can simulate the out-of-memory case.
 """
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import torch
 
-from orthrus import OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
-from pipeline.rows import schema as S
-from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.request import REQUEST, Requests, read_requests
+from orthrus import EngineStats, OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
+from pipeline import schema as S
+from pipeline.requests.errors import ERROR, row_error
+from pipeline.requests.request import REQUEST, Requests, read_requests
 from pipeline.actor.audit import first_divergence, is_audited
 from pipeline.config import AuditConfig, EngineKwargs, ModelConfig, StorageConfig
-from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed, Occupancy, Prefill
-from pipeline.actor.faults import FAULT_ENV, FaultInjector
-from pipeline.report.metrics import ActorMetrics
+from pipeline.actor.engine_loop import AUDIT, EngineLoop, GroupFailed
+from pipeline.actor.records import BATCH_RECORD, EngineSnapshot, growth, occupancy_record
+from pipeline.actor.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
 from pipeline.actor.results import result_columns
@@ -51,7 +51,6 @@ class StagePlan:
     use_gpu: bool
     audit: AuditConfig = AuditConfig()
     row_timeout_s: float | None = None
-    fault_inject: str | None = None   # test-only, see faults.py; None in production
     storage: StorageConfig = StorageConfig()
     detokenize: bool = True           # False: generated_text stays null (ids only)
     batch_records: bool = False       # the job's driver reads one ``__batch`` record per batch
@@ -76,6 +75,8 @@ def _actor_identity() -> tuple[str, str]:
 class GenerationStage:
     """``map_batches`` callable class: one model replica per actor."""
 
+    wants_row_keys = False      # a subclass acting on rows' ids (``faults.FaultyStage``) sets it
+
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
         self.device = "cuda" if plan.use_gpu and torch.cuda.is_available() else "cpu"
@@ -91,11 +92,7 @@ class GenerationStage:
         self.actor, self.gpu_ids = _actor_identity()
         self.metrics = _actor_metrics(self.actor)
         self.total_tokens = 0
-        self.prefill_reported = Prefill()   # the engine's prefill counts at the previous batch's end
-        self.faults = FaultInjector.parse(plan.fault_inject)
-        if self.faults:
-            print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={plan.fault_inject!r}); test-only",
-                  flush=True)
+        self.reported = EngineStats()   # the engine's counters at the previous batch record
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}] device={self.device} "
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
@@ -106,12 +103,17 @@ class GenerationStage:
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
                              speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache)
 
+    async def _before_batch(self) -> None:
+        """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""
+
+    def _before_generate(self, ids: list[str]) -> None:
+        """Called right before rows go into the engine (``faults.FaultyStage`` raises out of memory)."""
+
     async def _generate(self, ids: list[str], prompts: list[list[int]], params: list[SamplingParams]
                         ) -> list[RequestOutput | Exception]:
         """Decode rows in the shared engine; if a step fails while they are in it, isolate them."""
         try:
-            if self.faults:
-                self.faults.before_generate(ids)
+            self._before_generate(ids)
             return await self.loop.run(prompts, params)
         except Exception as e:  # noqa: BLE001 - narrowed to rows below; torch.OutOfMemoryError is one
             cause = e.cause if isinstance(e, GroupFailed) else e
@@ -129,8 +131,7 @@ class GenerationStage:
         depends only on its own seed, so a retried row decodes exactly as it would have in the batch.
         """
         try:
-            if self.faults:
-                self.faults.before_generate(ids)
+            self._before_generate(ids)
             return await self.loop.run(prompts, params, exclusive=True)
         except Exception as e:  # noqa: BLE001 - see above
             cause = e.cause if isinstance(e, GroupFailed) else e
@@ -171,11 +172,10 @@ class GenerationStage:
         prompts, params = requests.prompts, requests.params
         results: list[RequestOutput | Exception | None] = [None] * batch.num_rows
         audits: dict[int, int | None] = {}      # audited row -> its first divergence (None: equal to AR)
-        if self.faults:
-            await self.faults.slow_down()
+        await self._before_batch()
         if todo:
             fraction = self.plan.audit.fraction
-            ids = _row_keys(batch, requests) if self.faults or fraction > 0 else []   # read only there
+            ids = _row_keys(batch, requests) if self.wants_row_keys or fraction > 0 else []   # read only there
             audited = [i for i in todo if params[i].greedy and is_audited(ids[i], fraction)] if fraction > 0 else []
             out, ar = await asyncio.gather(
                 self._generate([ids[i] for i in todo] if ids else [], [prompts[i] for i in todo],
@@ -188,14 +188,14 @@ class GenerationStage:
                     audits[i] = first_divergence(results[i].token_ids, r.token_ids)
         seconds = time.perf_counter() - call_start
         end = self.loop.occupancy()
-        # Prefill counts since the previous batch's end (not since this one's arrival: batches
-        # overlap), so this actor's batches add up to its engine's counts.
-        prefill, self.prefill_reported = end.prefill.since(self.prefill_reported), end.prefill
-        table = self._assemble(batch, results, errors, params, audits, (started, seconds), (arrival, end), prefill)
+        # Counters since the previous batch's end (not since this one's arrival: batches overlap),
+        # so this actor's batches add up to its engine's counts.
+        since, self.reported = growth(end.stats, self.reported), end.stats
+        table = self._assemble(batch, results, errors, params, audits, (started, seconds), (arrival, end), since)
         table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
         if self.metrics is not None:
             try:
-                self.metrics.record(table, end, prefill)
+                self.metrics.record(table, end, since)
             except Exception as e:  # noqa: BLE001 - metrics are for watching; they never fail a finished batch
                 print(f"[orthrus] actor {self.actor}: could not update metrics: {type(e).__name__}: {e}", flush=True)
         self._log(batch.num_rows, sum(len(r.token_ids) for r in results if isinstance(r, RequestOutput)),
@@ -230,7 +230,7 @@ class GenerationStage:
 
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], params: list,
                   audits: dict[int, int | None], call_time: tuple[float, float],
-                  occupancy: tuple[Occupancy, Occupancy], prefill: Prefill) -> pa.Table:
+                  occupancy: tuple[EngineSnapshot, EngineSnapshot], since: EngineStats) -> pa.Table:
         """The batch's rows with the generation columns (the processor's contract, ``schema.GENERATED``)."""
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
@@ -248,10 +248,10 @@ class GenerationStage:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
                   "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
-                  "occupancy": _occupancy_record(*occupancy), "prefill": asdict(prefill)}
+                  "occupancy": occupancy_record(*occupancy), "since": asdict(since)}
         # One record per batch, on its first row: the driver reads the few non-null ones.
-        return table.append_column(pa.field(S.BATCH, S.BATCH_RECORD),
-                                   pa.array(([record] + [None] * (n - 1)) if n else [], S.BATCH_RECORD))
+        return table.append_column(pa.field(S.BATCH, BATCH_RECORD),
+                                   pa.array(([record] + [None] * (n - 1)) if n else [], BATCH_RECORD))
 
     def _log(self, rows: int, tokens: int, seconds: float, engine_seconds: float) -> None:
         """Per-actor throughput, visible in the driver's log while the job runs (the actor total is
@@ -292,10 +292,3 @@ def _actor_metrics(actor: str) -> ActorMetrics | None:
     import ray
 
     return ActorMetrics(actor) if ray.is_initialized() else None
-
-
-def _occupancy_record(arrival: Occupancy, end: Occupancy) -> dict:
-    """Engine counters at a batch's arrival and at its end (``schema.OCCUPANCY``)."""
-    at = lambda o: {"iterations": o.iterations, "busy_slot_iterations": o.busy_slot_iterations,  # noqa: E731
-                    "engine_ms": o.engine_ms}
-    return {"slots": end.slots, "arrival": at(arrival), "end": at(end)}

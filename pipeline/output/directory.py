@@ -8,7 +8,7 @@ Layout::
     <output>/_lease.json, _leases/          the running job's exclusive lease (``storage/lease.py``)
     <output>/_logs/                         crash reports (traceback of an unexpected failure)
     <output>/retried/                       error rows that --retry-errors took out of data/ (``repair.py``)
-    <output>/_staged/                       JSONL inputs converted to Parquet (``rows/staging.py``)
+    <output>/_staged/                       JSONL inputs converted to Parquet (``inputs/staging.py``)
     <output>/summary.json, summary.png
     <output>/_SUCCESS                       completion marker: written last, only by a run that left every
                                             row x sample committed (``success.py``); removed at each start
@@ -41,14 +41,14 @@ from pipeline.config import BehaviourConfig, ConfigError
 from pipeline.output import stats as St
 from pipeline.output.sources import SOURCES_KEY, DoneSet, PartSources
 from pipeline.output.store import LocalStore, ObjectStore
-from pipeline.rows.schema import OUTPUT_FIELDS
+from pipeline.schema import OUTPUT_FIELDS
 from pipeline.storage.lease import LEASE, LEASES, check_free
 from pipeline.storage.uris import STORE_ERRORS, is_remote, local_path, locate
 
 DATA_DIR, TMP_DIR, MARKER, LOGS_DIR, RETRIED_DIR = "data", "_tmp", "_job.json", "_logs", "retried"
 SUMMARY_JSON, SUMMARY_PNG = "summary.json", "summary.png"
 SUCCESS = "_SUCCESS"                                           # completion marker (success.py)
-STAGED_DIR = "_staged"                                         # JSONL inputs as Parquet (rows/staging.py)
+STAGED_DIR = "_staged"                                         # JSONL inputs as Parquet (inputs/staging.py)
 RESULTS_JSONL, ERRORS_JSONL = "results.jsonl", "errors.jsonl"   # output.format renderings (export.py)
 _OURS = {DATA_DIR, TMP_DIR, MARKER, SUMMARY_JSON, SUMMARY_PNG, LOGS_DIR, RETRIED_DIR,
          RESULTS_JSONL, ERRORS_JSONL, STAGED_DIR, SUCCESS}   # replaced by --overwrite

@@ -11,7 +11,7 @@ rows, so a part of a million rows holds a few thousand runs, not a million keys.
 - find duplicates without reading a row: two runs that overlap are the same keys committed twice;
 - repair a part (drop some rows by position) and still say exactly what it holds.
 
-Ids are unique (``rows/checks.py``), so a coordinate and an (id, sample_index) key are the same thing.
+Ids are unique (``inputs/checks.py``), so a coordinate and an (id, sample_index) key are the same thing.
 """
 from __future__ import annotations
 
@@ -21,9 +21,41 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.rows.source import Pending
+import pyarrow as pa
 
 SOURCES_KEY = b"orthrus.sources"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Which samples of one file are still to generate: per sample index, the sorted, disjoint
+    row ranges already committed (``starts[s]``, ``ends[s]``). Empty arrays: nothing done."""
+
+    n: int
+    starts: tuple[np.ndarray, ...]
+    ends: tuple[np.ndarray, ...]
+
+    def within(self, lo: int, hi: int) -> "Pending":
+        """Only the ranges that meet rows ``[lo, hi)`` (what one row group's task needs)."""
+        keep = [(e > lo) & (s < hi) for s, e in zip(self.starts, self.ends)]
+        return Pending(self.n, tuple(s[k] for s, k in zip(self.starts, keep)),
+                       tuple(e[k] for e, k in zip(self.ends, keep)))
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether every sample of rows ``[lo, hi)`` is done (the row group need not be read)."""
+        return all(bool(((s <= lo) & (e >= hi)).any()) for s, e in zip(self.starts, self.ends))
+
+    def samples(self, rows: np.ndarray) -> pa.ListArray:
+        """The pending sample indices of each row, as a list per row (empty: the row is done)."""
+        done = np.zeros((len(rows), self.n), dtype=bool)
+        for s in range(self.n):
+            if len(self.starts[s]):
+                i = np.searchsorted(self.starts[s], rows, side="right") - 1
+                done[:, s] = (i >= 0) & (rows < self.ends[s][np.maximum(i, 0)])
+        keep = ~done
+        offsets = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int32)
+        values = np.nonzero(keep)[1].astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 def runs_of(files: np.ndarray, flat: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.rows import schema as S
+from pipeline import schema as S
 
 STATS_KEY = b"orthrus.stats"
 EXAMPLES = 5
@@ -25,7 +25,9 @@ _GAMMA = 1.02            # sketch bucket ratio: quantiles within ~1%
 _SUMS = ("num_prompt_tokens", "num_completion_tokens", "num_tokens_after_stop", "num_cycles",
          "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens")
 TIME_COLUMNS = ("time_waiting_s", "time_in_engine_s")
-PREFILL_FIELDS = tuple(f.name for f in S.PREFILL)   # computed_tokens, prefix_cache_hit_tokens
+# The footers' prefill aggregate: its key -> the engine counter (``EngineStats``) the batch records' ``since`` holds.
+PREFILL_FROM = {"computed_tokens": "prefill_tokens", "prefix_cache_hit_tokens": "prefix_cache_hit_tokens"}
+PREFILL_FIELDS = tuple(PREFILL_FROM)
 
 
 def _sum(col) -> int:
@@ -112,14 +114,14 @@ def _audit(table: pa.Table) -> dict:
 
 
 def prefill_of_block(block: pa.Table) -> dict | None:
-    """The prefill counts (``schema.PREFILL``) summed over a block's batch records; None when no
-    record carries them (a stage without engine counters)."""
-    if S.BATCH not in block.column_names:
+    """The prefill counts (:data:`PREFILL_FROM`) summed over a block's batch records; None when no
+    record carries engine counters (a stand-in stage)."""
+    if S.BATCH not in block.column_names or "since" not in block[S.BATCH].type.names:
         return None
-    prefill = pc.struct_field(block[S.BATCH], "prefill")
-    if not pc.count(prefill).as_py():
+    since = pc.struct_field(block[S.BATCH], "since")
+    if not pc.count(since).as_py():
         return None
-    return {name: _sum(pc.struct_field(prefill, name)) for name in PREFILL_FIELDS}
+    return {key: _sum(pc.struct_field(since, counter)) for key, counter in PREFILL_FROM.items()}
 
 
 def _add_prefill(a: dict | None, b: dict | None) -> dict | None:
@@ -189,3 +191,14 @@ def encode(stats: dict) -> bytes:
 
 def decode(raw: bytes) -> dict:
     return json.loads(raw)
+
+
+def column_sum(col: pa.ChunkedArray) -> int:
+    """Sum of an integer column (0 when empty or all null)."""
+    return int(pc.sum(col).as_py() or 0)
+
+
+def prefix_cache_hit_rate(computed_tokens: int, hit_tokens: int) -> float | None:
+    """The share of prompt tokens the prefix cache copied instead of prefilling (None: none yet)."""
+    total = computed_tokens + hit_tokens
+    return hit_tokens / total if total else None

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.processor.config import OrthrusProcessorConfig, processor_config
-from pipeline.processor.prepare import PreparePlan, prepare_batch
-from pipeline.rows.prompts import ChatTemplate
+from pipeline.requests.prepare import PreparePlan, prepare_batch
+from pipeline.requests.prompts import ChatTemplate
 
 RowFn = Callable[[dict[str, Any]], dict[str, Any]]
 # The prepare stage works on batches of this many rows: large enough that a task's overhead is
@@ -28,10 +28,10 @@ PREPARE_ROWS = 1024
 class StageOptions:
     """What the batch job adds to a processor (users get the defaults)."""
 
-    fault_inject: str | None = None   # test-only, see ``pipeline/actor/faults.py``
     batch_records: bool = False       # one ``__batch`` record per batch for the job's driver
     keep_inputs: bool = True          # False: the input columns the processor reads do not travel on
     stage_cls: type = GenerationStage
+    stage_kwargs: tuple[tuple[str, Any], ...] = ()   # more constructor arguments (``actor/faults.py``)
 
 
 def prepare_plan(config: OrthrusProcessorConfig, options: StageOptions = StageOptions()) -> PreparePlan:
@@ -45,7 +45,7 @@ def prepare_plan(config: OrthrusProcessorConfig, options: StageOptions = StageOp
 def stage_plan(config: OrthrusProcessorConfig, options: StageOptions) -> StagePlan:
     """The generation actors' constructor argument."""
     return StagePlan(model=config.model, engine=config.engine_kwargs, use_gpu=config.bundle["GPU"] > 0,
-                     audit=config.audit, row_timeout_s=config.row_timeout_s, fault_inject=options.fault_inject,
+                     audit=config.audit, row_timeout_s=config.row_timeout_s,
                      storage=config.storage, detokenize=config.detokenize, batch_records=options.batch_records)
 
 
@@ -69,7 +69,7 @@ def generate(ds, config: OrthrusProcessorConfig, options: StageOptions = StageOp
     ds = ds.repartition(target_num_rows_per_block=config.batch_size)
     bundle = config.bundle
     return ds.map_batches(
-        options.stage_cls, fn_constructor_kwargs={"plan": stage_plan(config, options)},
+        options.stage_cls, fn_constructor_kwargs={"plan": stage_plan(config, options), **dict(options.stage_kwargs)},
         batch_size=config.batch_size, batch_format="pyarrow", compute=_pool(config.concurrency, config),
         num_gpus=bundle["GPU"], num_cpus=bundle["CPU"],
         resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None,

@@ -18,8 +18,9 @@ import pyarrow.compute as pc
 
 from orthrus.metrics import acceptance_by_position, tokens_per_cycle
 from pipeline.output import stats as St
+from pipeline.output.stats import prefix_cache_hit_rate
 from pipeline.output.directory import SUMMARY_JSON, SUMMARY_PNG, OutputDir
-from pipeline.rows.schema import key_strings
+from pipeline.schema import key_strings
 
 _PACKAGES = ("orthrus-batch", "torch", "transformers", "ray", "pyarrow", "pydantic", "numpy")
 
@@ -33,17 +34,6 @@ def package_versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def column_sum(col: pa.ChunkedArray) -> int:
-    """Sum of an integer column (0 when empty or all null)."""
-    return int(pc.sum(col).as_py() or 0)
-
-
-def prefix_cache_hit_rate(computed_tokens: int, hit_tokens: int) -> float | None:
-    """The share of prompt tokens the prefix cache copied instead of prefilling (None: none yet)."""
-    total = computed_tokens + hit_tokens
-    return hit_tokens / total if total else None
 
 
 def _prefill(prefill: dict | None) -> dict:

@@ -1,5 +1,5 @@
 """Per-actor throughput of this run, gathered by the driver from the batch records it receives
-(one :data:`pipeline.rows.schema.BATCH_RECORD` per actor call; bounded by batches, not rows)."""
+(one ``pipeline/actor/records.py`` ``BATCH_RECORD`` per actor call; bounded by batches, not rows)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ from collections import defaultdict
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.rows import schema as S
+from pipeline import schema as S
 
 
 class ThroughputTracker:
@@ -26,7 +26,7 @@ class ThroughputTracker:
         self._first: tuple[float, int, int] | None = None     # (time, total tokens, total rows) at the first block
         self._last = 0.0
         self._first_call: float | None = None            # wall clock at which an actor first got a batch
-        # per actor, the calls' occupancy records (schema.OCCUPANCY) that bound its windows (first
+        # per actor, the calls' occupancy records (``actor/records.OCCUPANCY``) that bound its windows (first
         # and last arrival, latest end), not every call: the driver's memory grows with actors, not batches
         self._occupancy: dict[str, list[dict]] = defaultdict(list)
         self._engine_ms: dict[str, tuple[int, int]] = {}
@@ -54,7 +54,7 @@ class ThroughputTracker:
             self._first = (self._last, self.total_tokens, self.total_rows)
 
     def _keep(self, actor: str, c: dict | None) -> None:
-        """Keep a call's occupancy record (``schema.OCCUPANCY``) if it bounds one of the actor's windows."""
+        """Keep a call's occupancy record (``actor/records.OCCUPANCY``) if it bounds one of the actor's windows."""
         if not c:
             return
         arrived, ended = c["arrival"]["engine_ms"], c["end"]["engine_ms"]   # the actor's busy window

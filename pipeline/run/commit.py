@@ -25,8 +25,9 @@ from pipeline.output import stats as St
 from pipeline.output.parts import PartWriter
 from pipeline.report.progress import Progress
 from pipeline.report.throughput import ThroughputTracker
-from pipeline.rows import schema as S
-from pipeline.rows.source import INPUT_ERROR_MARK, InputFileError
+from pipeline import schema as S
+from pipeline.exceptions import first_of
+from pipeline.inputs.source import INPUT_ERROR_MARK, InputFileError
 
 _TICK_S = 1.0
 
@@ -181,14 +182,9 @@ def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
 
 def input_error(error: BaseException) -> InputFileError | None:
     """The :class:`InputFileError` behind whatever Ray wrapped it in (or None)."""
-    seen = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, InputFileError):
-            return InputFileError(e.message)
-        e = getattr(e, "cause", None) if isinstance(getattr(e, "cause", None), BaseException) else (
-            e.__cause__ or e.__context__)
+    found = first_of(error, InputFileError)
+    if found is not None:
+        return InputFileError(found.message)
     text = str(error)
     if INPUT_ERROR_MARK in text:
         message = text.split(INPUT_ERROR_MARK, 1)[1].strip().splitlines()[0]

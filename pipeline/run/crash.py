@@ -13,22 +13,10 @@ import time
 import traceback
 from pathlib import Path
 
+from pipeline.exceptions import exception_chain, is_ray_wrapper
+
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.*)$", re.M)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what it wraps: ``__cause__``, ``__context__`` and Ray's ``cause``, outermost first."""
-    out, todo = [], [exc]
-    while todo:
-        e = todo.pop()
-        if any(e is seen for seen in out):
-            continue
-        out.append(e)
-        ray_cause = getattr(e, "cause", None)
-        todo += [x for x in (e.__context__, ray_cause if isinstance(ray_cause, BaseException) else None,
-                             e.__cause__) if x is not None]
-    return out
 
 
 def root_cause(exc: BaseException) -> tuple[str, str]:
@@ -38,9 +26,9 @@ def root_cause(exc: BaseException) -> tuple[str, str]:
     that died in its constructor carries the remote traceback in its message), the last exception
     line of that text.
     """
-    chain = _chain(exc)
+    chain = exception_chain(exc)
     for e in reversed(chain):
-        if not type(e).__module__.startswith("ray."):
+        if not is_ray_wrapper(e):
             return type(e).__name__, (str(e).strip().splitlines() or [""])[0][:500]
     for e in chain:
         found = _EXC_LINE.findall(_ANSI.sub("", str(e)))
@@ -79,9 +67,9 @@ def refusal_message(exc: BaseException, output) -> str:
     """The message of a refusal (a :class:`ConfigError`), wherever it was found. Raised inside a Ray
     task it can arrive in Ray's wrapper, whose message is the remote traceback: then it is one
     line, the task's own message, and the traceback goes to ``<output>/_logs/`` (named at the end)."""
-    if not type(exc).__module__.startswith("ray."):
+    if not is_ray_wrapper(exc):
         return getattr(exc, "message", None) or str(exc)     # ours: as written (may list several fields)
-    inner = next((e for e in reversed(_chain(exc)) if not type(e).__module__.startswith("ray.")), exc)
+    inner = next((e for e in reversed(exception_chain(exc)) if not is_ray_wrapper(e)), exc)
     text = getattr(inner, "message", None) or str(inner)
     line = (text.strip().splitlines() or [""])[0]
     return f"{line} (traceback: {_write_log(exc, output)})"

@@ -1,5 +1,5 @@
-"""The job's Ray Data graph: input row groups (``rows/source.py`` read tasks) -> the job's rows
-(``rows/preprocess.py``: samples, ids, seeds, sampling) -> the processor (``pipeline/processor``:
+"""The job's Ray Data graph: input row groups (``inputs/source.py`` read tasks) -> the job's rows
+(``inputs/preprocess.py``: samples, ids, seeds, sampling) -> the processor (``pipeline/processor``:
 prepare, generate, detokenize).
 
 The driver consumes the result and streams it into parts (``run/commit.py``); nothing here writes.
@@ -7,13 +7,14 @@ The driver consumes the result and streams it into parts (``run/commit.py``); no
 from __future__ import annotations
 
 from pipeline.config import EngineKwargs, JobConfig
-from pipeline.actor.faults import FaultInjector, from_environment
+from pipeline.actor.faults import stage_for
 from pipeline.actor.stage import GenerationStage
 from pipeline.processor.build import PREPARE_ROWS, StageOptions, generate
 from pipeline.processor.config import OrthrusProcessorConfig
-from pipeline.rows.inputs import InputPlan
-from pipeline.rows.source import Pending, make_datasource
-from pipeline.rows.preprocess import PreprocessPlan, job_rows
+from pipeline.inputs.plan import InputPlan
+from pipeline.inputs.source import make_datasource
+from pipeline.output.sources import Pending
+from pipeline.inputs.preprocess import PreprocessPlan, job_rows
 from pipeline.run.resources import Placement
 
 # Ray Data holds a task's output until it reaches this size before passing it on (128 MiB by
@@ -50,8 +51,7 @@ def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pendi
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.target_max_block_size = BLOCK_BYTES
-    faults = from_environment()
-    FaultInjector.parse(faults)  # a malformed test spec fails here, not in every actor's constructor
+    stage_cls, stage_kwargs = stage_for(stage_cls)    # test-only faults; a malformed spec fails here
     ds = ray.data.read_datasource(make_datasource(inputs, pending, config.sampling.n))
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
                          storage=config.storage)
@@ -59,5 +59,6 @@ def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pendi
     # of every read finishing before the first row is tokenized.
     ds = ds.map_batches(job_rows, fn_kwargs={"plan": pre}, batch_format="pyarrow",
                         batch_size=max(PREPARE_ROWS, config.engine.batch_size))
-    options = StageOptions(fault_inject=faults, batch_records=True, keep_inputs=False, stage_cls=stage_cls)
+    options = StageOptions(batch_records=True, keep_inputs=False, stage_cls=stage_cls,
+                           stage_kwargs=tuple(stage_kwargs.items()))
     return generate(ds, job_processor(config, placement), options)

@@ -14,6 +14,10 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, JobConfig
 
+# Settings added after outputs with fingerprints existed, left out at their default (which is what
+# those outputs were generated with), so such an output resumes unchanged.
+_LATER_DEFAULTS = {"sampling.min_tokens": 0}
+
 
 def fingerprint(config: JobConfig) -> dict[str, object]:
     """Dotted field -> value for every setting the generated rows depend on."""
@@ -24,7 +28,9 @@ def fingerprint(config: JobConfig) -> dict[str, object]:
                               "engine.dtype": config.engine.dtype, "engine.max_seq_len": config.engine.max_seq_len}
     for section in ("prompt", "sampling"):
         for name, value in getattr(config, section).model_dump(mode="json").items():
-            out[f"{section}.{name}"] = value
+            key = f"{section}.{name}"
+            if key not in _LATER_DEFAULTS or value != _LATER_DEFAULTS[key]:
+                out[key] = value
     return out
 
 

@@ -12,8 +12,8 @@ from typing import Callable
 from pipeline.config import ConfigError, JobConfig
 from pipeline.run.dataset import build_dataset
 from pipeline.run.fingerprint import check_unchanged, fingerprint
-from pipeline.rows.inputs import InputPlan, inspect_inputs
-from pipeline.rows.staging import JsonSources, input_format, sniff_sources, stage
+from pipeline.inputs.plan import InputPlan, inspect_inputs
+from pipeline.inputs.staging import JsonSources, input_format, sniff_sources, stage
 from pipeline.output.export import check_openai_batch_n, export
 from pipeline.storage.model_files import check_weight_headers, load_tokenizer, resolve_model_dir
 from pipeline.storage.lease import Lease, take_lease as _take_lease
@@ -21,14 +21,14 @@ from pipeline.storage.model_cache import check_remote_weight_headers
 from pipeline.output.directory import OutputDir, OutputWriteError
 from pipeline.output.parts import PartWriter
 from pipeline.run.commit import CommitLoop, run_loop
-from pipeline.rows.checks import check_ids, verify_inputs
-from pipeline.rows.source import row_group_tasks
+from pipeline.inputs.checks import check_ids, verify_inputs
+from pipeline.inputs.source import row_group_tasks
 from pipeline.report.progress import Progress
-from pipeline.rows.prompts import ChatTemplate, uses_chat_template
+from pipeline.requests.prompts import ChatTemplate, uses_chat_template
 from pipeline.output.directory import RETRIED_DIR, SUCCESS, SUMMARY_JSON
 from pipeline.output.success import mark_complete
 from pipeline.run.resources import check_engine_placement, resolve_placement
-from pipeline.rows.schema import output_schema
+from pipeline.schema import output_schema
 from pipeline.storage.uris import is_remote, local_path, locate
 from pipeline.actor.stage import GenerationStage
 from pipeline.report.summary import render_table, summarize

@@ -20,7 +20,7 @@ from jobs.bench.scale_data import swapped_blocks, write_committed, write_inputs
 
 
 def test_null_stage_blocks_carry_the_output_contract():
-    from pipeline.rows import schema as S
+    from pipeline import schema as S
 
     blocks = bench_scale.stage_blocks(2 * 2 * 64, files=2)
     assert [b.num_rows for b in blocks] == [64] * 4
@@ -41,7 +41,7 @@ def test_null_stage_blocks_carry_the_output_contract():
 def test_committed_output_footers_leave_exactly_the_last_rows(tmp_path):
     from pipeline.config import InputConfig
     from pipeline.output.directory import OutputDir
-    from pipeline.rows.inputs import inspect_inputs
+    from pipeline.inputs.plan import inspect_inputs
 
     inputs = write_inputs(tmp_path / "in", 4000, files=4)                 # 1000 rows per file
     out = OutputDir(str(write_committed(inputs, tmp_path / "out", left=300)))

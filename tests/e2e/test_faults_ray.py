@@ -88,8 +88,9 @@ def _bad_input_shards(d: Path) -> dict[str, str | None]:
     expected = {i: None for i in ("ok-a", "ok-b", "ok-d", "ctrl", *PATH_IDS)}
     expected.update({"null": "neither a prompt nor messages", "empty": "prompt is empty",
                      "blank": "whitespace-only", "utf8": "not valid UTF-8", "long": "context limit max_seq_len=64",
-                     "temp": "temperature must be", "top_p": "top_p must be in (0, 1]", "top_k": "top_k must be",
-                     "max0": "max_new_tokens must be", "maxbig": "max_new_tokens must be",
+                     "temp": "column 'temperature' must be", "top_p": "column 'top_p' must be in (0, 1]",
+                     "top_k": "column 'top_k' must be", "max0": "column 'max_new_tokens' must be",
+                     "maxbig": "column 'max_new_tokens' must be",
                      "msg-json": "not valid JSON", "msg-empty": "non-empty list", "msg-surrogate": "not valid Unicode",
                      "oom-row": "OutOfMemoryError: simulated out of memory"})
     return expected

@@ -20,7 +20,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.rows.schema import output_schema
+from pipeline.schema import output_schema
 from support.job_inputs import MSG_TYPE, write_parquet
 from support.paths import REPO
 from support.ray_head import WAIT_FOR_BOTH_ACTORS, base_env, part_digests, row_keys, submit
@@ -158,9 +158,9 @@ def test_mixed_good_and_bad_rows_all_come_out(e2e):
         assert mixed[i]["finish_reason"] in ("stop", "length") and mixed[i]["completion"] is not None
     expected = {1: "row has neither a prompt nor messages",
                 2: "messages[0] must have string 'role' and 'content'",
-                3: "SamplingParams.temperature must be a finite number >= 0",
+                3: "column 'temperature' must be a finite number >= 0",
                 4: "invalid request: prompt has ",
-                6: "SamplingParams.max_new_tokens must be an int in [1,"}
+                6: "column 'max_new_tokens' must be an int in [1,"}
     for i, msg in expected.items():
         r = mixed[i]
         assert r["finish_reason"] == "error" and msg in r["error"], r

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.rows.preprocess import derive_seed
+from pipeline.inputs.preprocess import derive_seed
 
 
 QUESTIONS = [("q0", "def add(a, b):", 0.0), ("q1", "Write a haiku about tests.", 0.8),

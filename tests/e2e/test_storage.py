@@ -65,7 +65,7 @@ def test_schemes_pyarrow_lacks_go_through_fsspec_with_their_full_path(tmp_path):
     reading and the plan's filesystem all go through pyarrow's fsspec handler."""
     import fsspec
 
-    from pipeline.rows.inputs import inspect_inputs
+    from pipeline.inputs.plan import inspect_inputs
 
     mem = fsspec.filesystem("memory")
     for name, ids in {"a.parquet": ["a0", "a1"], "sub/b.parquet": ["b0"]}.items():
@@ -80,7 +80,7 @@ def test_schemes_pyarrow_lacks_go_through_fsspec_with_their_full_path(tmp_path):
 # ---------------------------------------------------------------- inputs on S3
 
 def test_inputs_on_s3_prefixes_globs_files_and_hive_partitions(s3):
-    from pipeline.rows.inputs import inspect_inputs
+    from pipeline.inputs.plan import inspect_inputs
 
     fs = s3["fs"]
     for key, ids in {"in/a.parquet": ["a0", "a1"], "in/sub/b.parquet": ["b0"], "in/_tmp/skip.parquet": ["t"],

@@ -53,7 +53,7 @@ def test_concurrent_batches_share_the_engine_and_equal_separate_runs(model):
         ref = OrthrusEngine(model, max_batch_size=3).generate(prompts, params)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     occ = loop.occupancy()
-    assert occ.busy_slot_iterations > 0.8 * occ.iterations * occ.slots   # slots stayed busy across batches
+    assert occ.stats.busy_slot_iterations > 0.8 * occ.stats.iterations * occ.slots   # slots stayed busy across batches
 
 
 def test_a_failure_is_pinned_on_its_rows_only_when_they_run_alone(model):

@@ -21,9 +21,9 @@ from jobs.make_qwen3_test_model import ENDOFTEXT, IM_END, MASK_TOKEN_ID, VOCAB_S
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.config import AuditConfig
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.rows.request import from_arrow
-from pipeline.rows.source import read_file
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.requests.request import from_arrow
+from pipeline.inputs.source import read_file
 from pipeline.run.job import preflight
 from support.job_inputs import job_config, write_shard
 from support.oracles import OracleProposer

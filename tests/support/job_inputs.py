@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
-from pipeline.rows.inputs import inspect_inputs
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.rows.source import read_file
+from pipeline.inputs.plan import inspect_inputs
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.source import read_file
 
 MSG = '[{"role": "user", "content": "%s"}]'                                   # a messages cell, as JSON text
 MSG_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

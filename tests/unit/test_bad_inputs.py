@@ -22,12 +22,12 @@ from pipeline.output.directory import OutputDir, read_footer
 from pipeline.output.parts import PartWriter
 from pipeline.report.progress import Progress
 from pipeline.report.throughput import ThroughputTracker
-from pipeline.rows import schema as S
-from pipeline.rows.checks import check_ids, verify_inputs
-from pipeline.rows.source import InputFileError, read_file
+from pipeline import schema as S
+from pipeline.inputs.checks import check_ids, verify_inputs
+from pipeline.inputs.source import InputFileError, read_file
 from pipeline.run.commit import CommitLoop, run_loop
 from pipeline.run.job import preflight
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.actor.stage import GenerationStage, StagePlan
 from support.job_inputs import MSG, job_config, raw_strings, write_shard
 
@@ -172,16 +172,16 @@ ROWS = [
      "messages[0] must have string 'role' and 'content'"),
     ("msg-surrogate", None, MSG % "\\ud800", {}, "is not valid Unicode: surrogates not allowed"),
     ("bad-utf8", b"def \xff\xfe():", None, {}, "column 'prompt' is not valid UTF-8"),
-    ("temp-neg", "x", None, {"temperature": -1.0}, "temperature must be a finite number >= 0"),
-    ("temp-nan", "x", None, {"temperature": math.nan}, "temperature must be a finite number >= 0"),
-    ("temp-inf", "x", None, {"temperature": math.inf}, "temperature must be a finite number >= 0"),
-    ("top-p-0", "x", None, {"top_p": 0.0}, "top_p must be in (0, 1]"),
-    ("top-p-big", "x", None, {"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ("top-k-neg", "x", None, {"top_k": -1.0}, "top_k must be an int >= 0"),
+    ("temp-neg", "x", None, {"temperature": -1.0}, "column 'temperature' must be a finite number >= 0"),
+    ("temp-nan", "x", None, {"temperature": math.nan}, "column 'temperature' must be a finite number >= 0"),
+    ("temp-inf", "x", None, {"temperature": math.inf}, "column 'temperature' must be a finite number >= 0"),
+    ("top-p-0", "x", None, {"top_p": 0.0}, "column 'top_p' must be in (0, 1]"),
+    ("top-p-big", "x", None, {"top_p": 1.5}, "column 'top_p' must be in (0, 1]"),
+    ("top-k-neg", "x", None, {"top_k": -1.0}, "column 'top_k' must be an int >= 0"),
     ("top-k-frac", "x", None, {"top_k": 0.5}, "'top_k' must be an integer"),
-    ("max-0", "x", None, {"max_new_tokens": 0.0}, "max_new_tokens must be an int in [1,"),
-    ("max-neg", "x", None, {"max_new_tokens": -5.0}, "max_new_tokens must be an int in [1,"),
-    ("max-absurd", "x", None, {"max_new_tokens": 1e12}, "max_new_tokens must be an int in [1,"),
+    ("max-0", "x", None, {"max_new_tokens": 0.0}, "column 'max_new_tokens' must be an int in [1,"),
+    ("max-neg", "x", None, {"max_new_tokens": -5.0}, "column 'max_new_tokens' must be an int in [1,"),
+    ("max-absurd", "x", None, {"max_new_tokens": 1e12}, "column 'max_new_tokens' must be an int in [1,"),
     ("seed-neg", "x", None, {"seed": -1}, "column 'seed' must be an int in [0, 2**63)"),
 ]
 OVERRIDES = {"temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.float64(),
@@ -242,8 +242,10 @@ def one_thread():
 
 
 def _stage(cfg, fault: str | None = None) -> GenerationStage:
-    return GenerationStage(StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False,
-                                     fault_inject=fault))
+    from pipeline.actor.faults import FaultyStage
+
+    plan = StagePlan(model=cfg.model, engine=cfg.engine, use_gpu=False)
+    return GenerationStage(plan) if fault is None else FaultyStage(plan, fault)
 
 
 def test_oom_batches_split_and_retry_and_a_row_failing_alone_is_an_error_row(tmp_path, tiny_orthrus_dir, capsys,
@@ -283,6 +285,19 @@ def test_fault_spec_is_checked():
     assert FaultInjector.parse("oom_if_batch_gt:3,oom_on_id:a:b").oom_ids == {"a:b"}
     with pytest.raises(ValueError, match="cannot parse 'oom_if_batch_gt:x'"):
         FaultInjector.parse("oom_if_batch_gt:x")
+
+
+def test_the_fault_variable_selects_the_faulty_stage(monkeypatch):
+    from pipeline.actor.faults import FAULT_ENV, FaultyStage, stage_for
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert stage_for(GenerationStage) == (GenerationStage, {})
+    monkeypatch.setenv(FAULT_ENV, "oom_on_id:r4")
+    assert stage_for(GenerationStage) == (FaultyStage, {"faults": "oom_on_id:r4"})
+    assert issubclass(FaultyStage, GenerationStage)
+    monkeypatch.setenv(FAULT_ENV, "oom_if_batch_gt:x")
+    with pytest.raises(ValueError, match="cannot parse 'oom_if_batch_gt:x'"):     # in the driver, up front
+        stage_for(GenerationStage)
 
 
 def test_shards_with_differing_schemas_preprocess_to_one_schema(tmp_path, weightless_model):

@@ -17,7 +17,7 @@ from pipeline.output import export as E
 from pipeline.output.directory import ERRORS_JSONL, RESULTS_JSONL, OutputDir, OutputWriteError
 from pipeline.output.repair import retry_errors
 from pipeline.output.sources import PartSources
-from pipeline.rows.schema import output_schema
+from pipeline.schema import output_schema
 from pipeline.storage.model_files import load_tokenizer
 from support.paths import TOKENIZER_DIR
 

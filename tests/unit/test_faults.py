@@ -25,9 +25,9 @@ from pipeline.config import BehaviourConfig, ConfigError, load_config
 from pipeline.run.job import preflight
 from pipeline.output.directory import OutputDir, OutputWriteError
 from pipeline.output.sources import PartSources
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.rows.schema import output_schema, to_output_table
-from pipeline.rows.source import read_file
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.schema import output_schema, to_output_table
+from pipeline.inputs.source import read_file
 from pipeline.actor.stage import GenerationStage, StagePlan
 from support.job_inputs import job_config, mounted, tree_snapshot, write_shard
 

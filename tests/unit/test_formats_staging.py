@@ -1,4 +1,4 @@
-"""JSONL and OpenAI-batch inputs staged into Parquet (``pipeline/rows/staging.py``), without Ray:
+"""JSONL and OpenAI-batch inputs staged into Parquet (``pipeline/inputs/staging.py``), without Ray:
 ``stage`` runs its conversions inline when Ray is not initialised."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, StorageConfig
 from pipeline.output.directory import STAGED_DIR, OutputDir
-from pipeline.rows.inputs import INPUT_ERROR, inspect_inputs, resolve_files
-from pipeline.rows.json_lines import JSON_SUFFIXES
-from pipeline.rows.openai_batch import SCHEMA as OPENAI_SCHEMA
-from pipeline.rows.staging import STAGED_KEY, input_format, sniff_sources, stage
+from pipeline.inputs.plan import INPUT_ERROR, inspect_inputs, resolve_files
+from pipeline.inputs.json_lines import JSON_SUFFIXES
+from pipeline.inputs.openai_batch import SCHEMA as OPENAI_SCHEMA
+from pipeline.inputs.staging import STAGED_KEY, input_format, sniff_sources, stage
 from support.job_inputs import job_config, preprocess_rows, write_shard
 from support.paths import TOKENIZER_DIR
 
@@ -223,7 +223,7 @@ def test_openai_batch_requests_become_fixed_columns_and_error_rows(tmp_path):
 
     plan = inspect_inputs(new, STORAGE)
     assert plan.input_error and plan.passthrough == ("openai_url",)
-    assert set(plan.override_columns) == {"temperature", "top_p", "top_k", "max_new_tokens", "seed", "logprobs", "stop"}
+    assert set(plan.override_columns) == {"temperature", "top_p", "top_k", "max_new_tokens", "min_tokens", "seed", "logprobs", "stop"}
 
 
 # ---------------------------------------------------------------- reuse
@@ -336,7 +336,7 @@ def test_jsonl_on_an_object_store_stages_into_the_output_prefix_and_is_reused(tm
     pytest.importorskip("moto")
     from jobs.local_s3 import CLIENT_ENV, moto_server, s3fs
 
-    from pipeline.rows import staging
+    from pipeline.inputs import staging
 
     for key, value in CLIENT_ENV.items():
         monkeypatch.setenv(key, value)
@@ -439,7 +439,7 @@ def test_openai_body_keys_follow_one_rule_and_name_the_users_field_and_line(tmp_
 
 
 def test_a_duplicate_custom_id_names_custom_id_the_source_file_and_both_lines(tmp_path):
-    from pipeline.rows.checks import file_ids
+    from pipeline.inputs.checks import file_ids
 
     chat = [{"role": "user", "content": "hi"}]
     path = _write(tmp_path / "in" / "b.jsonl", [_request("a", messages=chat), _request("dup", messages=chat), "",
@@ -468,8 +468,8 @@ def test_job_columns_that_ask_for_an_unsupported_option_are_their_rows_error(tmp
 
 
 def test_a_custom_id_in_two_source_files_names_both_files_and_lines(tmp_path):
-    from pipeline.rows.checks import check_ids
-    from pipeline.rows.inputs import inspect_inputs
+    from pipeline.inputs.checks import check_ids
+    from pipeline.inputs.plan import inspect_inputs
 
     chat = [{"role": "user", "content": "hi"}]
     a = _write(tmp_path / "in" / "a.jsonl", [_request("x", messages=chat), _request("dup", messages=chat)])

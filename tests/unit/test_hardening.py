@@ -16,10 +16,10 @@ from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.sampling import SamplingTensors, process
 from pipeline.config import ConfigError
 from pipeline.output.sources import PartSources
-from pipeline.rows.checks import verify_inputs
+from pipeline.inputs.checks import verify_inputs
 from pipeline.run.job import preflight
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.rows.source import InputFileError, read_file
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.source import InputFileError, read_file
 from support.hostile import hostile_rows
 from support.job_inputs import job_config, write_shard
 
@@ -279,7 +279,7 @@ def test_duplicates_are_refused_on_resume_and_dedupe_keeps_the_first_copy(tmp_pa
 
 
 def test_a_column_the_writer_cannot_hold_is_refused_naming_column_and_file():
-    from pipeline.rows.column_types import check_group
+    from pipeline.inputs.column_types import check_group
 
     interval = pa.array([pa.scalar((1, 2, 3), pa.month_day_nano_interval()).as_py()], pa.month_day_nano_interval())
     group = pa.table({"id": ["a"], "when": interval})

@@ -18,8 +18,8 @@ from pipeline.actor.audit import audit_statistics, first_divergence, is_audited
 from pipeline.config import AuditConfig
 from pipeline.actor.engine_loop import EngineLoop
 from pipeline.run.job import preflight
-from pipeline.rows.preprocess import PreprocessPlan, preprocess_batch
-from pipeline.rows.source import read_file
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.source import read_file
 from pipeline.report.progress import Progress
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.report.summary import render_table
@@ -185,8 +185,8 @@ def test_batch_records_and_metrics_count_prefilled_and_prefix_cache_hit_tokens(t
     deltas. ``engine.prefix_cache`` reaches the engine."""
     import ray.util.metrics
 
-    from pipeline.report.metrics import ActorMetrics
-    from pipeline.rows import schema as S
+    from pipeline.actor.metrics import ActorMetrics
+    from pipeline import schema as S
 
     monkeypatch.setattr(ray.util.metrics, "Counter", _FakeMetric)
     monkeypatch.setattr(ray.util.metrics, "Gauge", _FakeMetric)
@@ -199,8 +199,8 @@ def test_batch_records_and_metrics_count_prefilled_and_prefix_cache_hit_tokens(t
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in batch["__request"].to_pylist())
     records = [r for _ in range(2) for r in asyncio.run(stage(batch))[S.BATCH].drop_null().to_pylist()]
     assert len(records) == 2
-    computed = sum(r["prefill"]["computed_tokens"] for r in records)
-    hits = sum(r["prefill"]["prefix_cache_hit_tokens"] for r in records)
+    computed = sum(r["since"]["prefill_tokens"] for r in records)             # EngineStats' names
+    hits = sum(r["since"]["prefix_cache_hit_tokens"] for r in records)
     assert computed + hits == 2 * prompt_tokens                       # every admitted prompt token, once
     assert (computed, hits) == (stage.engine.stats.prefill_tokens, stage.engine.stats.prefix_cache_hit_tokens)
     assert computed > 0 and hits > 0

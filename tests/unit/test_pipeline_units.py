@@ -16,14 +16,15 @@ from pipeline.config import BehaviourConfig, ConfigError, EngineConfig, Resource
 from pipeline.run.job import preflight
 from pipeline.output.directory import OutputDir
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
-from pipeline.rows import schema as S
+from pipeline import schema as S
 from pipeline.actor.postprocess import detokenize_batch
-from pipeline.rows.preprocess import PreprocessPlan, derive_seed, preprocess_batch
-from pipeline.rows.source import Pending, read_file
+from pipeline.inputs.preprocess import PreprocessPlan, derive_seed, preprocess_batch
+from pipeline.inputs.source import read_file
+from pipeline.output.sources import Pending
 from pipeline.output.sources import PartSources
 from pipeline.run.resources import check_engine_placement, resolve_placement
 from pipeline.actor.stage import GenerationStage, StagePlan
-from pipeline.rows.schema import OUTPUT_FIELDS, output_schema, to_output_table
+from pipeline.schema import OUTPUT_FIELDS, output_schema, to_output_table
 from orthrus.metrics import acceptance_by_position
 from pipeline.report.summary import row_statistics
 from support.job_inputs import job_config, write_shard
@@ -104,7 +105,7 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
     plan = PreprocessPlan(inputs=inputs, model=cfg.model, prompt=cfg.prompt, sampling=cfg.sampling)
     # sample 1 of row 1 ("ok-prompt") is already committed: the read task leaves it out
     done = Pending(2, (np.array([], np.int64), np.array([1])), (np.array([], np.int64), np.array([2])))
-    from pipeline.rows.source import ReadSpec, read_row_group, row_group_tasks
+    from pipeline.inputs.source import ReadSpec, read_row_group, row_group_tasks
     (task,) = row_group_tasks(inputs, {inputs.files[0]: done})
     out = preprocess_batch(read_row_group(task, ReadSpec.of(inputs), 2), plan).to_pylist()
     assert [(r["id"], r["sample_index"]) for r in out] == [
@@ -114,7 +115,7 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
     assert errors["ok-msg"] is None and errors["ok-prompt"] is None
     assert errors["neither"] == "row has neither a prompt nor messages"
     assert "messages[0] must have string 'role' and 'content'" in errors["bad-msg"]
-    assert "temperature must be a finite number >= 0" in errors["bad-temp"]
+    assert "column 'temperature' must be a finite number >= 0" in errors["bad-temp"]
     assert "'top_k' must be an integer" in errors["bad-topk"]
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     first = out[0]
@@ -247,16 +248,17 @@ def test_acceptance_statistics():
 
 
 def test_throughput_tracker_separates_startup_from_steady_rate():
-    from pipeline.rows import schema as S
+    from pipeline import schema as S
+    from pipeline.actor.records import BATCH_RECORD
     from pipeline.report.throughput import ThroughputTracker
 
     def block(call: str, tokens: int, occupancy: dict | None, started: float | None = None) -> pa.Table:
         record = {"actor": "a", "gpu_ids": "", "call_id": call, "rows": 2, "tokens": 2 * tokens, "seconds": 1.0,
                   "started": started, "occupancy": occupancy}
-        return pa.table({S.BATCH: pa.array([record, None], S.BATCH_RECORD)})
+        return pa.table({S.BATCH: pa.array([record, None], BATCH_RECORD)})
 
     def occ(iterations: tuple[int, int], busy: tuple[int, int], slots: int, engine_ms: tuple[int, int]) -> dict:
-        """Engine counters at arrival and at the end (schema.OCCUPANCY)."""
+        """Engine counters at arrival and at the end (actor/records.OCCUPANCY)."""
         at = lambda i: {"iterations": iterations[i], "busy_slot_iterations": busy[i],  # noqa: E731
                         "engine_ms": engine_ms[i]}
         return {"slots": slots, "arrival": at(0), "end": at(1)}
@@ -288,7 +290,7 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
 
 def test_request_column_reads_back_column_wise_per_row_settings_and_seeds():
     from orthrus import SamplingParams
-    from pipeline.rows.request import read_requests, to_arrow
+    from pipeline.requests.request import read_requests, to_arrow
 
     rows = [([1, 2, 3], SamplingParams(max_new_tokens=1, seed=1)), None,
             ([4], SamplingParams(max_new_tokens=1, seed=2)),
@@ -300,3 +302,28 @@ def test_request_column_reads_back_column_wise_per_row_settings_and_seeds():
     assert back.params == [r[1] if r else None for r in rows]               # every setting, each row's seed
     assert back.prompt_ids.offsets.to_pylist()[-1] == len(back.prompt_ids.values)
     assert read_requests(pa.chunked_array([], to_arrow([]).type)).params == []
+
+
+def test_batch_records_carry_every_engine_counter():
+    """The records' engine structs derive from ``EngineStats``: a new counter needs no pipeline edit."""
+    import dataclasses
+
+    from orthrus import EngineStats
+    from pipeline.actor.records import BATCH_RECORD, COUNTERS, EngineSnapshot, growth, occupancy_record
+
+    names = [f.name for f in dataclasses.fields(EngineStats)]
+    assert COUNTERS.names == [*names, "engine_ms"] and BATCH_RECORD.field("since").type.names == names
+    early, late = EngineStats(*range(len(names))), EngineStats(*(2 * i + 1 for i in range(len(names))))
+    assert growth(late, early) == late - early and growth(early, late) == EngineStats()   # a reset never goes below 0
+    record = occupancy_record(EngineSnapshot(early, 4, 10), EngineSnapshot(late, 4, 30))
+    assert pa.array([record], BATCH_RECORD.field("occupancy").type).to_pylist() == [record]
+
+
+def test_one_function_decides_finish_reason_and_error_together():
+    from pipeline.requests.errors import MAX_ERROR_CHARS, finish_columns
+
+    reasons, errors = finish_columns(["stop", "length", None, "stop", "error", None],
+                                     [None, None, "prompt is empty", "detokenization failed: X", None, "x" * 900])
+    assert reasons == ["stop", "length", "error", "error", "error", "error"]
+    assert errors == [None, None, "prompt is empty", "detokenization failed: X", "not decoded", "x" * MAX_ERROR_CHARS]
+    assert all((r == "error") == (e is not None) for r, e in zip(reasons, errors))     # consistent by construction

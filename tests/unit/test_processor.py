@@ -10,9 +10,9 @@ from pipeline import OrthrusProcessorConfig, build_orthrus_processor
 from pipeline.actor.stage import GenerationStage
 from pipeline.config import ConfigError
 from pipeline.processor.build import StageOptions, prepare_plan, stage_plan
-from pipeline.processor.prepare import prepare_batch, sampling_params_of
-from pipeline.rows.prompts import RowError
-from pipeline.rows.request import REQUEST, from_arrow
+from pipeline.requests.prepare import prepare_batch, sampling_params_of
+from pipeline.requests.errors import RowError
+from pipeline.requests.request import REQUEST, from_arrow
 
 
 def _config(model, **kw) -> OrthrusProcessorConfig:
@@ -39,7 +39,7 @@ def test_sampling_params_take_vllms_names_from_a_struct_or_a_map():
     for bad, message in (({"presence_penalty": 1.0}, "sampling_params.presence_penalty: not supported"),
                          ({"max_tokens": 0.5}, "sampling_params.max_tokens must be an integer"),
                          ({"temperature": "hot"}, "sampling_params.temperature must be a number"),
-                         ({"logprobs": 99}, "SamplingParams.logprobs"), ("x", "must be a struct or map")):
+                         ({"logprobs": 99}, r"sampling_params.logprobs must be None or an int in \[0, 20\]"), ("x", "must be a struct or map")):
         with pytest.raises(RowError, match=message):
             sampling_params_of(bad)
 

@@ -13,10 +13,10 @@ from pipeline.output import stats as St
 from pipeline.output.directory import OutputDir, read_footer
 from pipeline.output.parts import PartWriter
 from pipeline.output.sources import DoneSet, PartSources, merge, runs_of, subtract
-from pipeline.rows.checks import bucket_of, check_ids, overlapping, FileIds
-from pipeline.rows.inputs import inspect_inputs
-from pipeline.rows.schema import OUTPUT_FIELDS, output_schema, to_output_table
-from pipeline.rows.source import InputFileError, ReadSpec, read_row_group, row_group_tasks
+from pipeline.inputs.checks import bucket_of, check_ids, overlapping, FileIds
+from pipeline.inputs.plan import inspect_inputs
+from pipeline.schema import OUTPUT_FIELDS, output_schema, to_output_table
+from pipeline.inputs.source import InputFileError, ReadSpec, read_row_group, row_group_tasks
 from pipeline.report.summary import statistics
 from pipeline.run.commit import input_error
 

@@ -14,12 +14,13 @@ import pytest
 
 from orthrus import Constraint, SamplingParams
 from pipeline.config import ConfigError, ModelConfig, StorageConfig, load_config
-from pipeline.processor.prepare import PreparePlan, prepare_batch, sampling_params_of
-from pipeline.rows.json_lines import infer
-from pipeline.rows.openai_batch import request_row
-from pipeline.rows.prompts import ChatTemplate, RowError
-from pipeline.rows.request import REQUEST, REQUEST_TYPE, from_arrow, to_arrow
-from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
+from pipeline.requests.prepare import PreparePlan, prepare_batch, sampling_params_of
+from pipeline.inputs.json_lines import infer
+from pipeline.inputs.openai_batch import request_row
+from pipeline.requests.errors import RowError
+from pipeline.requests.prompts import ChatTemplate
+from pipeline.requests.request import REQUEST, REQUEST_TYPE, from_arrow, to_arrow
+from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
 from pipeline.run.fingerprint import fingerprint
 from pipeline.run.job import preflight
 from support.job_inputs import preprocess_rows
@@ -103,7 +104,7 @@ def test_openai_response_format_and_guided_keys_become_the_rows_constraint():
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
      "body.response_format.json_schema.schema: .*must be a JSON schema"),
     ({"guided_choice": []}, "body.guided_choice: .*non-empty list"),
-    ({"guided_regex": "x", "stop": ["\n"]}, "body.stop cannot be combined with body.guided_regex")])
+    ({"guided_regex": "x", "stop": ["\n"]}, "body.guided_regex cannot be combined with body.stop")])
 def test_a_bad_openai_constraint_is_that_lines_error(body, message):
     row = _staged(**body)
     assert set(row) == {"id", "__input_error"}
@@ -164,7 +165,7 @@ def test_prepare_compiles_each_constraint_and_names_the_field_that_fails():
 def test_whatever_the_compiler_raises_is_a_message_and_each_constraint_compiles_once():
     from transformers import AutoTokenizer
 
-    from pipeline.rows.structured import _compiles, compile_error
+    from pipeline.requests.structured import _compiles, compile_error
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     bad = Constraint("json_schema", "true")     # refused outside the matcher (by the schema converter)

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from pipeline.rows.prompts import RowError
+from pipeline.requests.errors import RowError
 
 IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream", "stream_options",
                      "request_id", "priority", "name"})
 # The default of each option we do not implement: the value that asks for nothing beyond plain generation.
 DEFAULTS: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,), "n": (1,), "logit_bias": ({},),
+    "min_p": (0, 0.0), "best_of": (1,), "n": (1,), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "functions": ([],),
     "function_call": ("none", "auto"), "ignore_eos": (False,), "echo": (False,), "suffix": ("",),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
@@ -36,7 +36,7 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
-JOB_COLUMNS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "best_of",
+JOB_COLUMNS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "best_of",
                "logit_bias", "ignore_eos")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from orthrus import Constraint, ConstraintError, check_structured
 from orthrus.constraints import parse_constraint
-from pipeline.rows.prompts import RowError
+from pipeline.requests.errors import RowError
 
 STRUCTURED = "structured"               # the job's input column and the sampling_params key
 # Staged OpenAI rows: the constraint the body asks for (JSON text, as a ``structured`` cell) and the

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.rows.json_lines import iter_lines, open_stream
+from pipeline.inputs.json_lines import iter_lines, open_stream
 from pipeline.storage.uris import STORE_ERRORS
 
 STAGED_KEY = "orthrus.staged"     # footer key: the record of the source a staged file was made from

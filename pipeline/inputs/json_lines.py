@@ -25,9 +25,9 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pipeline.rows.inputs import INPUT_ERROR
-from pipeline.rows.request_keys import JOB_COLUMNS, unsupported
-from pipeline.rows.structured import STRUCTURED
+from pipeline.inputs.plan import INPUT_ERROR
+from pipeline.requests.request_keys import JOB_COLUMNS, unsupported
+from pipeline.requests.structured import STRUCTURED
 
 ROW_GROUP = 8192                           # rows per chunk, and per row group of a staged file
 COMPRESSION = {".gz": "gzip", ".zst": "zstd"}

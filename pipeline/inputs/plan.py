@@ -7,9 +7,9 @@ Runs on the driver, so it reads **footers only** (in parallel threads): file lis
 counts and row-group sizes. Its time and memory grow with the number of files, never with rows. A
 missing column, a column of the wrong type, schemas that cannot be unified or an unreadable footer
 fail the job at once, naming the file and the field. Row-level checks run where the rows are read
-(Ray tasks): ids in ``ids.py`` (before the first commit), everything else in ``source.py``;
+(Ray tasks): ids in ``checks.py`` (before the first commit), everything else in ``source.py``;
 ``input.verify: full`` runs the full read of every row group as a distributed pass up front
-(``verify.py``).
+(``checks.py``).
 
 Inputs are local paths or URIs of one filesystem (``pipeline/storage/uris.py``); on an object store a
 "directory" is a key prefix, and globs are matched against the listing below their fixed prefix.
@@ -26,10 +26,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.rows.column_types import plain_type
+from pipeline.inputs.column_types import plain_type
 from pipeline.config import ConfigError, InputConfig, StorageConfig
-from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
-from pipeline.rows.schema import GENERATED_FIELDS, INTERNAL_PREFIX, OUTPUT_NAMES, OVERRIDE_COLUMNS, PROCESSOR_INPUTS
+from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED_FIELD
+from pipeline.requests.sampling_fields import OVERRIDE_COLUMNS
+from pipeline.schema import GENERATED_FIELDS, INTERNAL_PREFIX, OUTPUT_NAMES, PROCESSOR_INPUTS
 from pipeline.storage.uris import Location, glob_regex, info, is_remote, list_files, local_path, locate
 
 _GLOB_CHARS = set("*?[")

@@ -1,6 +1,6 @@
 """Reading the inputs: a Ray Data datasource with one read task per (file, row group).
 
-The driver only lists files and reads their footers (``inputs.py``); every row is read here, in
+The driver only lists files and reads their footers (``plan.py``); every row is read here, in
 Ray tasks. Each task reads one row group, so it knows each row's index in its file exactly: that
 index is the row's coordinate in the output's part footers (``output/sources.py``), the base of a
 derived id (``<file name>:<row index>``), and what resume filters on. A task is given only its own
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError
-from pipeline.rows import schema as S
-from pipeline.rows.column_types import check_group, convert
-from pipeline.rows.inputs import InputPlan
+from pipeline import schema as S
+from pipeline.inputs.column_types import check_group, convert
+from pipeline.inputs.plan import InputPlan
+from pipeline.output.sources import Pending
 
 INPUT_ERROR_MARK = "[orthrus input error]"
 
@@ -42,38 +42,6 @@ class InputFileError(ConfigError):
         """The message alone (Ray's wrappers of this error add their traceback around it)."""
         text = str(self)
         return text.split(INPUT_ERROR_MARK, 1)[1].strip().splitlines()[0] if INPUT_ERROR_MARK in text else text
-
-
-@dataclass(frozen=True)
-class Pending:
-    """Which samples of one file are still to generate: per sample index, the sorted, disjoint
-    row ranges already committed (``starts[s]``, ``ends[s]``). Empty arrays: nothing done."""
-
-    n: int
-    starts: tuple[np.ndarray, ...]
-    ends: tuple[np.ndarray, ...]
-
-    def within(self, lo: int, hi: int) -> "Pending":
-        """Only the ranges that meet rows ``[lo, hi)`` (what one row group's task needs)."""
-        keep = [(e > lo) & (s < hi) for s, e in zip(self.starts, self.ends)]
-        return Pending(self.n, tuple(s[k] for s, k in zip(self.starts, keep)),
-                       tuple(e[k] for e, k in zip(self.ends, keep)))
-
-    def covers(self, lo: int, hi: int) -> bool:
-        """Whether every sample of rows ``[lo, hi)`` is done (the row group need not be read)."""
-        return all(bool(((s <= lo) & (e >= hi)).any()) for s, e in zip(self.starts, self.ends))
-
-    def samples(self, rows: np.ndarray) -> pa.ListArray:
-        """The pending sample indices of each row, as a list per row (empty: the row is done)."""
-        done = np.zeros((len(rows), self.n), dtype=bool)
-        for s in range(self.n):
-            if len(self.starts[s]):
-                i = np.searchsorted(self.starts[s], rows, side="right") - 1
-                done[:, s] = (i >= 0) & (rows < self.ends[s][np.maximum(i, 0)])
-        keep = ~done
-        offsets = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int32)
-        values = np.nonzero(keep)[1].astype(np.int32)
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,13 @@ updates them when a batch is done, from the rows it is about to return, tagged w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from orthrus import EngineStats
 from orthrus.metrics import tokens_per_cycle
-from pipeline.report.summary import column_sum, prefix_cache_hit_rate
-
-if TYPE_CHECKING:
-    from pipeline.actor.engine_loop import Occupancy, Prefill
+from pipeline.actor.records import EngineSnapshot
+from pipeline.output.stats import column_sum, prefix_cache_hit_rate
 
 
 class ActorMetrics:
@@ -67,9 +64,9 @@ class ActorMetrics:
         self._totals = [0, 0, 0]            # cycles, drafts, accepted (this actor)
         self._last: tuple[int, int] | None = None   # (iterations, busy slot-iterations) at the last record
 
-    def record(self, table: pa.Table, engine: Occupancy, prefill: Prefill) -> None:
+    def record(self, table: pa.Table, engine: EngineSnapshot, since: EngineStats) -> None:
         """Add a finished batch: its output rows (after detokenization), the engine's counters now
-        (cumulative), and the prompt tokens prefilled since the previous batch ended."""
+        (cumulative), and their growth since the previous batch ended."""
         ok = table.filter(pc.not_equal(table["finish_reason"], "error"))
         if ok.num_rows:
             self.rows.inc(ok.num_rows, tags={"status": "ok"})
@@ -91,14 +88,15 @@ class ActorMetrics:
         for result, count in (("match", matches), ("diverged", audited.num_rows - matches)):
             if count:
                 self.audit.inc(count, tags={"result": result})
+        now = engine.stats
         start = self._last or (0, 0)
-        if engine.iterations > start[0]:
-            busy, iterations = engine.busy_slot_iterations - start[1], engine.iterations - start[0]
+        if now.iterations > start[0]:
+            busy, iterations = now.busy_slot_iterations - start[1], now.iterations - start[0]
             self.occupancy.set(busy / (iterations * engine.slots))
-        self._last = (engine.iterations, engine.busy_slot_iterations)
-        for metric, value in ((self.prefill, prefill.computed_tokens), (self.hits, prefill.prefix_cache_hit_tokens)):
+        self._last = (now.iterations, now.busy_slot_iterations)
+        for metric, value in ((self.prefill, since.prefill_tokens), (self.hits, since.prefix_cache_hit_tokens)):
             if value:
                 metric.inc(value)
-        rate = prefix_cache_hit_rate(engine.prefill.computed_tokens, engine.prefill.prefix_cache_hit_tokens)
+        rate = prefix_cache_hit_rate(now.prefill_tokens, now.prefix_cache_hit_tokens)
         if rate is not None:
             self.hit_rate.set(rate)

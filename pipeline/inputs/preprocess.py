@@ -1,7 +1,7 @@
 """The job's CPU step before the processor: expand to the pending samples and state each one's request.
 
 Runs as a Ray Data task over Arrow batches, right after the read tasks. Each pending
-(id, sample_index) becomes one row in the processor's shape (``pipeline/processor/prepare.py``):
+(id, sample_index) becomes one row in the processor's shape (``pipeline/requests/prepare.py``):
 ``prompt`` / ``messages`` from the configured columns, a ``sampling_params`` struct (the config's
 defaults overridden by the row's own columns, with a seed derived from (seed, id, sample_index)),
 ``__structured_field`` (where the row's constraint came from, for the prepare stage's compile
@@ -22,15 +22,16 @@ import pyarrow.compute as pc
 from orthrus import Constraint, SamplingParams
 from orthrus.constraints import parse_constraint
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
-from pipeline.processor.prepare import PreparePlan, as_int, prepare_batch, values
-from pipeline.rows import schema as S
-from pipeline.rows.column_types import convert
-from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.inputs import INPUT_ERROR, InputPlan
-from pipeline.rows.prompts import ChatTemplate, RowError
-from pipeline.rows.request import sampling_to_arrow
-from pipeline.rows.request_keys import JOB_COLUMNS, unsupported
-from pipeline.rows.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
+from pipeline.requests.prepare import PreparePlan, prepare_batch, values
+from pipeline.requests.sampling_fields import BY_ENGINE, FIELDS, as_int, build, parse, stop_with_structured
+from pipeline import schema as S
+from pipeline.inputs.column_types import convert
+from pipeline.inputs.plan import INPUT_ERROR, InputPlan
+from pipeline.requests.errors import ERROR, RowError, row_error
+from pipeline.requests.prompts import ChatTemplate
+from pipeline.requests.request import sampling_to_arrow
+from pipeline.requests.request_keys import JOB_COLUMNS, unsupported
+from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
 
 
 
@@ -57,12 +58,6 @@ def derive_seed(base: int, row_id: str, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _stop(value: Any, default: list[str]) -> tuple[str, ...]:
-    if value is None:
-        return tuple(default)
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
 def structured_for(row: dict[str, Any], job: Constraint | None, cfg: SamplingConfig, stop: tuple[str, ...]
                    ) -> tuple[Constraint | None, str | None]:
     """The row's constraint (its ``structured`` cell, else the job's ``sampling.structured``, parsed
@@ -79,41 +74,41 @@ def structured_for(row: dict[str, Any], job: Constraint | None, cfg: SamplingCon
     which = ("column 'stop'" if row.get("stop") is not None else "sampling.stop") if stop else \
         "sampling.stop_token_ids" if cfg.stop_token_ids else None
     if which:
-        raise RowError(f"{where} cannot be combined with {which}: a constrained row ends where its grammar is "
-                       "complete (a stop could cut it mid-record)")
+        raise stop_with_structured(where, which)
     return c, where
+
+
+def _seed(row_seed: Any, base: int, row_id: str, sample_index: int) -> int:
+    """The sample's seed: the row's ``seed`` column + its index, else derived from the job's seed."""
+    if row_seed is None:
+        return derive_seed(base, row_id, sample_index)
+    seed = as_int("column 'seed'", row_seed)   # checked before adding the index: all of a row's samples fail or none
+    if not 0 <= seed < 2 ** 63:
+        raise RowError(f"column 'seed' must be an int in [0, 2**63), got {seed}")
+    return (seed + sample_index) % 2 ** 63
 
 
 def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: SamplingConfig,
                  job: Constraint | None = None) -> tuple[SamplingParams, str | None]:
     """The sample's SamplingParams -- config defaults, overridden by the row's non-null columns --
     and the field its constraint came from (None: unconstrained). ``job``: ``cfg.structured`` parsed."""
-    def pick(name: str) -> Any:
-        value = row.get(name)
-        return getattr(cfg, name) if value is None else value
+    given = {f.engine for f in FIELDS if f.column is not None and row.get(f.column) is not None}
+    where: str | None = None
 
-    row_seed = row.get("seed")
-    if row_seed is None:
-        seed = derive_seed(cfg.seed, row_id, sample_index)
-    else:  # checked before adding the index, so all of a row's samples fail or none does
-        seed = as_int("column 'seed'", row_seed)
-        if not 0 <= seed < 2 ** 63:
-            raise RowError(f"column 'seed' must be an int in [0, 2**63), got {seed}")
-        seed = (seed + sample_index) % 2 ** 63
-    logprobs = pick("logprobs")
-    try:
-        stop = _stop(row.get("stop"), cfg.stop)
-        structured, where = structured_for(row, job, cfg, stop)
-        return SamplingParams(temperature=float(pick("temperature")), top_p=float(pick("top_p")),
-                              top_k=as_int("column 'top_k'", pick("top_k")),
-                              max_new_tokens=as_int("column 'max_new_tokens'", pick("max_new_tokens")),
-                              seed=seed, stop_token_ids=tuple(cfg.stop_token_ids), stop=stop,
-                              logprobs=None if logprobs is None else as_int("column 'logprobs'", logprobs),
-                              structured=structured), where
-    except RowError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever a cell holds, it is that row's error
-        raise RowError(row_error("sampling override columns", str(e))) from None
+    def name(engine: str) -> str:
+        f = BY_ENGINE.get(engine)
+        if f is None:
+            return engine
+        if f.kind == "structured":
+            return where or "sampling.structured"
+        return f"column {f.column!r}" if engine in given else f"sampling.{f.config}"
+
+    kw = {f.engine: parse(f, row[f.column], name(f.engine)) if f.engine in given else getattr(cfg, f.config)
+          for f in FIELDS if f.kind != "structured" and f.engine != "seed"}
+    kw.update(stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]),
+              seed=_seed(row.get("seed"), cfg.seed, row_id, sample_index))
+    kw["structured"], where = structured_for(row, job, cfg, kw["stop"])
+    return build(kw, name), where
 
 
 def _row_ids(batch: pa.Table, plan: InputPlan) -> list[str]:

@@ -4,15 +4,14 @@ Rows in: ``messages`` (list of {role, content}, or that as a JSON string) or ``p
 with ``tokenize=False`` ``tokenized_prompt`` (token ids); an optional ``sampling_params`` struct or
 map with vLLM's names (:data:`SAMPLING_KEYS`, structured output included: ``structured``,
 ``guided_decoding``/``structured_outputs``, ``guided_json``/``_regex``/``_choice``/``_grammar``,
-``rows/structured.py``); an optional ``error`` already set upstream (such a row is not generated
-and keeps its error). Rows out: the same rows with ``__request`` (``pipeline/rows/request.py``),
+``requests/structured.py``); an optional ``error`` already set upstream (such a row is not generated
+and keeps its error). Rows out: the same rows with ``__request`` (``pipeline/requests/request.py``),
 ``num_input_tokens``, ``seed`` and ``error``. Runs as Ray Data tasks over Arrow batches; nothing
 one row holds can fail the batch: undecodable bytes, text the tokenizer or the template rejects,
 bad sampling values and a constraint that does not compile all end as that row's error.
 """
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -21,16 +20,17 @@ import pyarrow as pa
 
 from orthrus import SamplingParams
 from pipeline.config import ModelConfig, StorageConfig
-from pipeline.rows.errors import ERROR, row_error
-from pipeline.rows.schema import PROCESSOR_INPUTS
-from pipeline.rows.prompts import ChatTemplate, InvalidText, RowError, format_prompt
-from pipeline.rows.request import REQUEST, to_arrow
-from pipeline.rows.request_keys import check_keys
-from pipeline.rows.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
+from pipeline.requests.errors import ERROR, RowError, row_error
+from pipeline.requests.prompts import ChatTemplate, InvalidText, format_prompt
+from pipeline.requests.request import REQUEST, to_arrow
+from pipeline.requests.request_keys import check_keys
+from pipeline.requests.sampling_fields import (BY_ENGINE, FIELDS, VLLM_KEYS, as_int, build, parse,
+                                              stop_with_structured)
+from pipeline.requests.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
+from pipeline.schema import PROCESSOR_INPUTS
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "logprobs",
-                 *SAMPLING_PARAMS_KEYS)   # the last: structured output (``rows/structured.py``)
+SAMPLING_KEYS = (*VLLM_KEYS, *SAMPLING_PARAMS_KEYS)   # the last: structured output (``structured.py``)
 # Missing keys take the engine's defaults (SamplingParams): greedy, 64 new tokens, a random seed.
 PREPARED = ("num_input_tokens", "seed", ERROR, REQUEST, STRUCTURED_FIELD)
 
@@ -44,19 +44,6 @@ class PreparePlan:
     template: ChatTemplate
     tokenize: bool = True
     keep_inputs: bool = True   # False (the job): drop prompt/messages/sampling_params once they are a request
-
-
-def as_int(what: str, value: Any) -> int:
-    """``value`` as an int64, else :class:`RowError` naming ``what``. Parquet and JSON may carry
-    integers as floats: 40.0 is accepted; 0.5, text and anything outside int64 are not."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RowError(f"{what} must be an integer, got {value!r}"[:300])
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise RowError(f"{what} must be an integer, got {value!r}")
-    out = int(value)
-    if not -2 ** 63 <= out < 2 ** 63:
-        raise RowError(f"{what} holds {value!r}, outside the 64-bit integer range")
-    return out
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
@@ -79,41 +66,22 @@ def sampling_params_of(value: Any) -> SamplingParams:
     return sampling_and_field(value)[0]
 
 
-def _no_stop_with(where: str, kw: dict[str, Any]) -> None:
-    """A constrained row ends where its grammar is complete: a stop could cut it mid-record (the
-    engine refuses the pair too; this names the row's fields)."""
-    which = "stop" if kw["stop"] else "stop_token_ids" if kw["stop_token_ids"] else None
-    if which:
-        raise RowError(f"{where} cannot be combined with sampling_params.{which}: a constrained row ends "
-                       "where its grammar is complete (a stop could cut it mid-record)")
+def _name(engine: str) -> str:
+    return f"sampling_params.{BY_ENGINE[engine].vllm}" if engine in BY_ENGINE else f"sampling_params.{engine}"
 
 
 def sampling_and_field(value: Any) -> tuple[SamplingParams, str | None]:
     """:func:`sampling_params_of`, and the key its structured-output constraint came from (or None)."""
     d = _as_dict(value)
-    kw: dict[str, Any] = {}
-    for name, key in (("temperature", "temperature"), ("top_p", "top_p")):
-        if key in d:
-            if isinstance(d[key], bool) or not isinstance(d[key], (int, float)):
-                raise RowError(f"sampling_params.{key} must be a number, got {d[key]!r}"[:300])
-            kw[name] = float(d[key])
-    for name, key in (("top_k", "top_k"), ("max_new_tokens", "max_tokens"), ("seed", "seed"),
-                      ("logprobs", "logprobs")):
-        if key in d:
-            kw[name] = as_int(f"sampling_params.{key}", d[key])
-    if kw.get("top_k") == -1:            # vLLM's "off"
-        kw["top_k"] = 0
-    stop = d.get("stop", ())
-    kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-    kw["stop_token_ids"] = tuple(as_int("sampling_params.stop_token_ids", t) for t in d.get("stop_token_ids", ()))
+    kw = {f.engine: parse(f, d[f.vllm], _name(f.engine), vllm=True) for f in FIELDS
+          if f.kind != "structured" and f.vllm in d}
     kw.setdefault("seed", secrets.randbits(63))   # unseeded: random, like vLLM; reported in the seed column
     kw["structured"], where = from_sampling_params(d)
     if kw["structured"] is not None:
-        _no_stop_with(where, kw)
-    try:
-        return SamplingParams(**kw), where
-    except (ValueError, TypeError) as e:
-        raise RowError(f"sampling_params: {e}"[:500]) from None
+        which = "stop" if kw.get("stop") else "stop_token_ids" if kw.get("stop_token_ids") else None
+        if which:
+            raise stop_with_structured(where, f"sampling_params.{which}")
+    return build(kw, lambda engine: where if engine == "structured" and where else _name(engine)), where
 
 
 def values(batch: pa.Table, name: str) -> list:

@@ -3,9 +3,9 @@
 Each line is ``{"custom_id", "method": "POST", "url", "body": {...}}``. ``url`` says what ``body``
 is: ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``). The
 row's id is ``custom_id``; body's sampling fields become the per-row override columns
-(``schema.OVERRIDE_COLUMNS``) under this job's names, and ``response_format`` (or vLLM's
+(``requests/sampling_fields.py``) under this job's names, and ``response_format`` (or vLLM's
 ``guided_*`` extras) the row's structured-output constraint, staged with the field it came from
-(``rows/structured.py``; whether it compiles is checked with the tokenizer, in the prepare stage,
+(``requests/structured.py``; whether it compiles is checked with the tokenizer, in the prepare stage,
 and reported naming that field). Keys this job does not read follow ``request_keys.py``'s one rule:
 bookkeeping (``model``, ``user``, ``metadata`` ...) is ignored, an option we do not implement is
 accepted only at its default, anything else is the row's error naming ``body.<key>``. A line
@@ -21,28 +21,27 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from orthrus import SamplingParams
-from pipeline.rows.inputs import INPUT_ERROR
-from pipeline.rows.json_lines import Tally, kind, parsed_chunks
-from pipeline.rows.prompts import RowError
-from pipeline.rows.request_keys import check_keys
-from pipeline.rows.structured import (GUIDED_KEYS, OFF, STAGED_STRUCTURED, STRUCTURED_FIELD, VLLM_KINDS, Off,
+from pipeline.inputs.plan import INPUT_ERROR
+from pipeline.inputs.json_lines import Tally, kind, parsed_chunks
+from pipeline.requests.errors import RowError
+from pipeline.requests.request_keys import check_keys
+from pipeline.requests.sampling_fields import BY_ENGINE, FIELDS, SamplingField, build, parse, stop_with_structured
+from pipeline.requests.structured import (GUIDED_KEYS, OFF, STAGED_STRUCTURED, STRUCTURED_FIELD, VLLM_KINDS, Off,
                                       constraint_json, parse_spec)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 URL_COLUMN = "openai_url"       # passed through, so the output can be rendered back per endpoint
+# The body's sampling fields (``sampling_fields.FIELDS`` with an OpenAI key), staged under the job's column names.
+_BODY = tuple(f for f in FIELDS if f.openai is not None and f.column is not None)
 SCHEMA = pa.schema([
     pa.field("id", pa.string()), pa.field("messages", pa.string()), pa.field("prompt", pa.string()),
-    pa.field(URL_COLUMN, pa.string()), pa.field("max_new_tokens", pa.int64()),
-    pa.field("temperature", pa.float64()), pa.field("top_p", pa.float64()), pa.field("top_k", pa.int64()),
-    pa.field("seed", pa.int64()), pa.field("stop", pa.list_(pa.string())), pa.field("logprobs", pa.int64()),
+    pa.field(URL_COLUMN, pa.string()), *(pa.field(f.column, f.arrow) for f in _BODY),
     pa.field(STAGED_STRUCTURED, pa.string()), pa.field(STRUCTURED_FIELD, pa.string()),
     pa.field(INPUT_ERROR, pa.string()),
 ])
-_BODY_NAME = {"max_new_tokens": "max_tokens"}    # the job's name -> the body's, where they differ
 # Body keys this job reads (the prompt's key by url); the rest follow ``request_keys``' one rule.
-BODY_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
-             "top_logprobs", "n", "response_format", *GUIDED_KEYS)
+BODY_KEYS = (*(f.openai for f in _BODY), "max_completion_tokens", "top_logprobs", "n", "response_format",
+             *GUIDED_KEYS)
 _PART_SEPARATOR = "\n"          # text parts of one message joined as vLLM's OpenAI server joins them
 
 
@@ -55,70 +54,52 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _int(body: dict, key: str) -> int | None:
-    value = body.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise _Bad(f"body.{key} must be an integer, got {_show(value)}")
-    return value
+def _key(body: dict, f: SamplingField) -> str:
+    """The body key a field was read from (OpenAI's newer names win where both are given)."""
+    if f.engine == "max_new_tokens" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return f.openai
 
 
-def _number(body: dict, key: str) -> float | None:
-    value = body.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise _Bad(f"body.{key} must be a number, got {_show(value)}")
-    return None if value is None else float(value)
-
-
-def _stop(value: Any) -> list[str] | None:
-    if value is None or isinstance(value, str):
-        return None if value is None else [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise _Bad(f"body.stop must be a string or a list of strings, got {_show(value)}")
-
-
-def _chat_logprobs(body: dict) -> int | None:
+def _chat_logprobs(body: dict) -> Any:
     """Chat's ``logprobs: true`` + ``top_logprobs: k`` as this job's one ``logprobs`` count."""
     wanted = body.get("logprobs")
     if wanted is None or wanted is False:
         return None            # top_logprobs alone asks for nothing (OpenAI refuses it)
     if wanted is not True:
         raise _Bad(f"body.logprobs must be true or false for {CHAT}, got {_show(wanted)}")
-    top = _int(body, "top_logprobs")
+    top = body.get("top_logprobs")
     return 0 if top is None else top
 
 
 def _sampling(body: dict, chat: bool) -> dict[str, Any]:
-    """Body's sampling fields under the job's override column names (null: the config's default)."""
+    """Body's sampling fields under the job's override column names (null: the config's default),
+    each checked now by the one validation (``sampling_fields``), so a bad one names the body's key."""
     n = body.get("n")
     if n is not None and n != 1:
         raise _Bad("n > 1 per request is not supported; set sampling.n" if isinstance(n, int) and n > 1
                    else f"body.n must be 1, got {_show(n)}")
-    tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    top_k = _int(body, "top_k")
-    return {"max_new_tokens": _int(body, tokens), "temperature": _number(body, "temperature"),
-            "top_p": _number(body, "top_p"),
-            "top_k": 0 if top_k == -1 else top_k,      # vLLM's extension: -1 (like 0) means off
-            "seed": _int(body, "seed"), "stop": _stop(body.get("stop")),
-            "logprobs": _chat_logprobs(body) if chat else _int(body, "logprobs")}
 
+    def name(engine: str) -> str:
+        f = BY_ENGINE.get(engine)
+        if f is None or f.openai is None:
+            return engine
+        if engine == "logprobs" and chat and body.get("top_logprobs") is not None:
+            return "body.top_logprobs"
+        return f"body.{_key(body, f)}"
 
-def _checked(sampling: dict[str, Any], body: dict) -> dict[str, Any]:
-    """The sampling values, checked now by the engine's own rules, so a bad one names the body's key
-    and its line (later it could only name the job's column)."""
-    given = {k: v for k, v in sampling.items() if v is not None and k != "stop"}
+    raw = {f.engine: (_chat_logprobs(body) if chat and f.engine == "logprobs" else body.get(_key(body, f)))
+           for f in _BODY}
     try:
-        SamplingParams(**given)
-    except (ValueError, TypeError) as e:
-        text = str(e).removeprefix("SamplingParams.")
-        name = text.split(" ", 1)[0]
-        key = _BODY_NAME.get(name, name)
-        if name == "max_new_tokens" and body.get("max_completion_tokens") is not None:
-            key = "max_completion_tokens"
-        if name == "logprobs" and body.get("top_logprobs") is not None:
-            key = "top_logprobs"
-        raise _Bad(f"body.{key}{text[len(name):]}") from None
-    return sampling
+        given = {e: parse(BY_ENGINE[e], v, name(e), vllm=True) for e, v in raw.items() if v is not None}
+        check = {k: v for k, v in given.items() if k != "stop"}
+        if "min_tokens" in check:    # without max_tokens the job's default decides; checked against it later
+            check.setdefault("max_new_tokens", max(1, check["min_tokens"]))
+        build(check, name)           # the engine's rules, now
+    except RowError as e:
+        raise _Bad(str(e)) from None
+    return {f.column: (list(given[f.engine]) if f.kind == "strings" else given[f.engine])
+            if f.engine in given else None for f in _BODY}
 
 
 def _response_format(value: Any) -> tuple[dict[str, Any] | Off, str]:
@@ -153,8 +134,7 @@ def _structured(body: dict) -> dict[str, Any]:
         raise _Bad(f"body.{asked[0][0]} and body.{asked[1][0]} both ask for structured output; give one")
     spec, where = asked[0][1]
     if not isinstance(spec, Off) and body.get("stop"):
-        raise _Bad(f"body.stop cannot be combined with {where}: a constrained completion ends where its "
-                   "grammar is complete (a stop could cut it mid-record)")
+        raise _Bad(str(stop_with_structured(where, "body.stop")))
     try:   # the shape now; whether it compiles, in the prepare stage (it has the tokenizer)
         c = spec if isinstance(spec, Off) else parse_spec(spec, where)   # JSON is exact: nothing to prune
     except RowError as e:
@@ -199,7 +179,7 @@ def _request(obj: dict) -> dict[str, Any]:
         check_keys(body, (*BODY_KEYS, "messages" if url == CHAT else "prompt"), "body")
     except RowError as e:
         raise _Bad(str(e)) from None
-    row = {URL_COLUMN: url, **_checked(_sampling(body, chat=url == CHAT), body), **_structured(body)}
+    row = {URL_COLUMN: url, **_sampling(body, chat=url == CHAT), **_structured(body)}
     if url == CHAT:
         row["messages"] = _messages(body.get("messages"))
     elif isinstance(body.get("prompt"), str):

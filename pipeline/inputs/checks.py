@@ -24,9 +24,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError
-from pipeline.rows.column_types import check_group
-from pipeline.rows.inputs import InputPlan
-from pipeline.rows.staged_source import duplicate_across_sources, duplicate_in_source
+from pipeline.inputs.column_types import check_group
+from pipeline.inputs.plan import InputPlan
+from pipeline.inputs.staged_source import duplicate_across_sources, duplicate_in_source
 
 _POWERS = np.array([pow(1099511628211, i, 1 << 64) for i in range(64)], dtype=np.uint64)
 

@@ -34,14 +34,14 @@ import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, InputConfig, StorageConfig
 from pipeline.output.directory import STAGED_DIR, OutputDir
-from pipeline.rows.inputs import PARQUET_SUFFIXES, resolve_files
-from pipeline.rows.json_lines import JSON_SUFFIXES, Tally, jsonl_tables, open_stream
-from pipeline.rows.openai_batch import openai_tables
-from pipeline.rows.staged_source import STAGED_KEY
+from pipeline.inputs.plan import PARQUET_SUFFIXES, resolve_files
+from pipeline.inputs.json_lines import JSON_SUFFIXES, Tally, jsonl_tables, open_stream
+from pipeline.inputs.openai_batch import openai_tables
+from pipeline.inputs.staged_source import STAGED_KEY
 from pipeline.storage.uris import STORE_ERRORS
 from pipeline.tasks import map_tasks
 
-_VERSION = 1                      # of the conversion rules; another version converts again
+_VERSION = 2                      # of the conversion rules (2: min_tokens); another version converts again
 _SNIFF_BLOCK, _SNIFF_LIMIT = 1 << 20, 8 << 20
 _MAGIC = {b"PAR1": "it looks like a Parquet file", b"\x1f\x8b": "it looks gzip-compressed: name it .gz",
           b"\x28\xb5\x2f\xfd": "it looks zstd-compressed: name it .zst"}

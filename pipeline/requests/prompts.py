@@ -6,10 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline.config import PromptConfig
-
-
-class RowError(ValueError):
-    """A problem with one row: it becomes an error row, the job goes on."""
+from pipeline.requests.errors import RowError
 
 
 class InvalidText:

@@ -1,8 +1,8 @@
 """The request column: a row's prompt token ids and sampling settings as one Arrow struct.
 
-The prepare stage (``pipeline/processor/prepare.py``) builds it and the generation actor reads it
-back, each with one call (:func:`to_arrow`, :func:`read_requests`), so a new sampling field is one
-edit here. A null request is a row that will not be generated (its ``error`` is set).
+The prepare stage (``pipeline/requests/prepare.py``) builds it and the generation actor reads it
+back, each with one call (:func:`to_arrow`, :func:`read_requests`), and both derive from the one table
+of sampling fields (``sampling_fields.py``). A null request is a row that will not be generated (its ``error`` is set).
 """
 from __future__ import annotations
 
@@ -13,31 +13,17 @@ import pyarrow as pa
 
 from orthrus import SamplingParams
 from orthrus.constraints import parse_constraint
-from pipeline.rows.structured import constraint_json
+from pipeline.requests.sampling_fields import FIELDS, SAMPLING_TYPE, to_vllm
+from pipeline.requests.structured import constraint_json
 
 REQUEST = "__request"
-REQUEST_TYPE = pa.struct([
-    pa.field("prompt_token_ids", pa.list_(pa.int32())),
-    pa.field("temperature", pa.float64()),
-    pa.field("top_p", pa.float64()),
-    pa.field("top_k", pa.int64()),
-    pa.field("max_tokens", pa.int64()),
-    pa.field("seed", pa.int64()),
-    pa.field("stop", pa.list_(pa.string())),
-    pa.field("stop_token_ids", pa.list_(pa.int64())),
-    pa.field("logprobs", pa.int64()),
-    pa.field("structured", pa.string()),      # JSON text of {kind: value}; null: unconstrained
-])
-
-
-# The job's ``sampling_params`` column: the same settings under vLLM's names (what the processor reads).
-SAMPLING_TYPE = pa.struct([f for f in REQUEST_TYPE if f.name != "prompt_token_ids"])
+# The prompt's token ids, then every sampling field under vLLM's names (``sampling_fields.FIELDS``;
+# ``structured``: JSON text of {kind: value}, null: unconstrained).
+REQUEST_TYPE = pa.struct([pa.field("prompt_token_ids", pa.list_(pa.int32())), *SAMPLING_TYPE])
 
 
 def _sampling(p: SamplingParams) -> dict:
-    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_tokens": p.max_new_tokens,
-            "seed": p.seed, "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "logprobs": p.logprobs,
-            "structured": constraint_json(p.structured)}
+    return to_vllm(p, constraint_json(p.structured))
 
 
 def sampling_to_arrow(params: list[SamplingParams | None]) -> pa.StructArray:
@@ -68,7 +54,7 @@ class Requests:
         return len(self.params)
 
 
-_SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "logprobs", "structured")
+_SETTINGS = tuple(f for f in FIELDS if f.engine != "seed")    # shared by a job's rows; the seed is not
 
 
 def read_requests(column: pa.Array | pa.ChunkedArray) -> Requests:
@@ -81,7 +67,7 @@ def read_requests(column: pa.Array | pa.ChunkedArray) -> Requests:
     if isinstance(col, pa.ChunkedArray):          # no chunks at all: an empty batch
         col = pa.array([], REQUEST_TYPE)
     valid = col.is_valid().to_numpy(zero_copy_only=False)
-    fields = {name: col.field(name).to_pylist() for name in (*_SETTINGS, "seed")}
+    fields = {f.vllm: col.field(f.vllm).to_pylist() for f in FIELDS}
     ids = col.field("prompt_token_ids")
     prompts = ids.to_pylist()
     params: list[SamplingParams | None] = []
@@ -91,17 +77,18 @@ def read_requests(column: pa.Array | pa.ChunkedArray) -> Requests:
             prompts[i] = None
             params.append(None)
             continue
-        key = tuple(tuple(v) if isinstance(v, list) else v for v in (fields[name][i] for name in _SETTINGS))
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in (fields[f.vllm][i] for f in _SETTINGS))
         if key not in shared:
             shared[key] = _params(*key)
         params.append(shared[key].with_seed(seed))
     return Requests(prompts, params, ids)
 
 
-def _params(temperature, top_p, top_k, max_tokens, stop, stop_token_ids, logprobs, structured) -> SamplingParams:
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
-                          stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                          structured=None if structured is None else parse_constraint(json.loads(structured)))
+def _params(*values) -> SamplingParams:
+    """A request struct's settings (in :data:`_SETTINGS` order) as SamplingParams."""
+    kw = {f.engine: (tuple(v) if isinstance(v, list) else v) for f, v in zip(_SETTINGS, values)}
+    structured = kw.pop("structured")
+    return SamplingParams(**kw, structured=None if structured is None else parse_constraint(json.loads(structured)))
 
 
 def from_arrow(column: pa.Array | pa.ChunkedArray) -> list[tuple[list[int], SamplingParams] | None]:

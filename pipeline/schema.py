@@ -57,10 +57,6 @@ JOB_NAMES = {"completion": "generated_text", "num_prompt_tokens": "num_input_tok
 PROCESSOR_INPUTS = ("prompt", "messages", "tokenized_prompt", "sampling_params")
 KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
 
-# Per-row input columns that override the sampling defaults (consumed, never passed through).
-OVERRIDE_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "logprobs", "stop",
-                                     "structured")
-
 # Internal columns carried between stages; the "__" prefix keeps them apart from user columns.
 INTERNAL_PREFIX = "__"
 FILE = "__file"                        # read -> driver: index of the row's input file in the plan
@@ -69,29 +65,7 @@ SAMPLES = "__samples"                  # read -> preprocess: the row's pending s
 DERIVED_ID = "__derived_id"            # read -> preprocess: '<file name>:<row index>' (no id column)
 TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
 STOP_TEXT = "__stop_text"              # engine -> detokenize (completion cut before a stop string)
-BATCH = "__batch"                      # generate -> driver: one BatchRecord per batch, on its first row
-
-# The actor's engine counters at one moment (``engine_loop.Occupancy``; cumulative since the actor started).
-ENGINE_COUNTERS = pa.struct([
-    pa.field("iterations", pa.int64()), pa.field("busy_slot_iterations", pa.int64()),
-    pa.field("engine_ms", pa.int64()),         # wall time inside engine steps (the actor's busy time)
-])
-# Slot occupancy: the counters when the batch arrived and when it ended, and the engine's slots.
-OCCUPANCY = pa.struct([pa.field("slots", pa.int64()), pa.field("arrival", ENGINE_COUNTERS),
-                       pa.field("end", ENGINE_COUNTERS)])
-# Prompt tokens the actor's engine prefilled (computed) and copied from a slot holding them (the
-# prefix cache) since the actor's previous batch record: per-actor deltas, so records add up.
-PREFILL = pa.struct([pa.field("computed_tokens", pa.int64()), pa.field("prefix_cache_hit_tokens", pa.int64())])
-
-# The per-batch figures the driver needs (throughput, occupancy, prefill), one struct per actor call.
-BATCH_RECORD = pa.struct([
-    pa.field("actor", pa.string()), pa.field("gpu_ids", pa.string()), pa.field("call_id", pa.string()),
-    pa.field("rows", pa.int64()), pa.field("tokens", pa.int64()),
-    pa.field("seconds", pa.float64()),         # the call's wall time
-    pa.field("started", pa.float64()),         # wall clock (epoch s) at which the actor got the batch
-    pa.field("occupancy", OCCUPANCY),          # null: no engine counters (a stand-in stage)
-    pa.field("prefill", PREFILL),              # null: no engine counters
-])
+BATCH = "__batch"                      # generate -> driver: one record per batch, on its first row (actor/records.py)
 
 FINISH_REASONS = ("stop", "length", "error")
 GENERATED_TYPES = {**{f.name: f.type for f in GENERATED_FIELDS}, TEXT_IDS: pa.list_(pa.int32()), STOP_TEXT: pa.string()}

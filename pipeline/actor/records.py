@@ -1,0 +1,52 @@
+"""The per-batch record the job's driver reads (``schema.BATCH``, one per actor call), with the
+engine's counters as Arrow structs derived from ``orthrus.EngineStats``: a counter the engine adds
+reaches the record, the footers and the driver with no edit here.
+
+``occupancy``: the counters (every ``EngineStats`` field, plus ``engine_ms``, the wall time inside
+engine steps) when the batch arrived and when it ended, and the engine's slots. ``since``: the
+counters' growth since the actor's previous batch record (per-actor deltas, so records add up;
+the part footers' prefill aggregate is summed from it, ``output/stats.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import pyarrow as pa
+
+from orthrus import EngineStats
+
+STATS = pa.struct([pa.field(f.name, pa.int64()) for f in fields(EngineStats)])
+COUNTERS = pa.struct([*STATS, pa.field("engine_ms", pa.int64())])
+OCCUPANCY = pa.struct([pa.field("slots", pa.int64()), pa.field("arrival", COUNTERS), pa.field("end", COUNTERS)])
+BATCH_RECORD = pa.struct([
+    pa.field("actor", pa.string()), pa.field("gpu_ids", pa.string()), pa.field("call_id", pa.string()),
+    pa.field("rows", pa.int64()), pa.field("tokens", pa.int64()),
+    pa.field("seconds", pa.float64()),         # the call's wall time
+    pa.field("started", pa.float64()),         # wall clock (epoch s) at which the actor got the batch
+    pa.field("occupancy", OCCUPANCY),          # null: no engine counters (a stand-in stage)
+    pa.field("since", STATS),                  # null: no engine counters
+])
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The main engine's counters at one moment, its slots, and its busy time so far."""
+
+    stats: EngineStats
+    slots: int
+    engine_ms: int               # wall time spent inside engine steps (the actor's busy time)
+
+    def counters(self) -> dict:
+        """As a :data:`COUNTERS` struct value."""
+        return {**asdict(self.stats), "engine_ms": self.engine_ms}
+
+
+def growth(later: EngineStats, earlier: EngineStats) -> EngineStats:
+    """``later - earlier``, never below 0 (an engine reset after a failure restarts its counters)."""
+    d = later - earlier
+    return EngineStats(*(max(0, getattr(d, f.name)) for f in fields(d)))
+
+
+def occupancy_record(arrival: EngineSnapshot, end: EngineSnapshot) -> dict:
+    """The counters at a batch's arrival and at its end (:data:`OCCUPANCY`)."""
+    return {"slots": end.slots, "arrival": arrival.counters(), "end": end.counters()}

@@ -1,1 +1,0 @@
-"""Rows before the engine: input discovery and reading, request building, error rows, the schema."""

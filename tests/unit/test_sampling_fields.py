@@ -1,0 +1,144 @@
+"""The one table of sampling fields (``pipeline/requests/sampling_fields.py``): every field reaches
+every place derived from it, and ``min_tokens`` goes through the job, the processor and OpenAI batch
+bodies to the real engine (the bundled model: no EOS before N tokens)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from orthrus import SamplingParams
+from pipeline.config import ConfigError, EngineKwargs, ModelConfig, SamplingConfig, StorageConfig, load_config
+from pipeline.inputs import openai_batch, plan
+from pipeline.inputs.openai_batch import request_row
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
+from pipeline.inputs.source import read_file
+from pipeline.requests import prepare
+from pipeline.requests.errors import RowError
+from pipeline.requests.prepare import PreparePlan, prepare_batch, sampling_params_of
+from pipeline.requests.prompts import ChatTemplate
+from pipeline.requests.request import REQUEST, REQUEST_TYPE, read_requests
+from pipeline.requests.sampling_fields import FIELDS, OVERRIDE_COLUMNS, SAMPLING_TYPE
+from support.paths import TOKENIZER_DIR
+
+MODEL = TOKENIZER_DIR          # the bundled model: weights and tokenizer
+# Greedy, this prompt ends (EOS) after a few tokens on the bundled model.
+EARLY_EOS = "def add(a, b):\n    return"
+
+
+def test_every_field_reaches_every_derived_place():
+    engine = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert {f.engine for f in FIELDS} == engine                          # a new engine field needs a row
+    assert {f.config for f in FIELDS} <= set(SamplingConfig.model_fields)
+    request = set(REQUEST_TYPE.names)
+    assert request == {"prompt_token_ids", *(f.vllm for f in FIELDS)} and set(SAMPLING_TYPE.names) == request - {
+        "prompt_token_ids"}
+    assert all(REQUEST_TYPE.field(f.vllm).type == f.arrow for f in FIELDS)
+    assert OVERRIDE_COLUMNS == tuple(f.column for f in FIELDS if f.column) and plan.OVERRIDE_COLUMNS is OVERRIDE_COLUMNS
+    assert {f.vllm for f in FIELDS} <= set(prepare.SAMPLING_KEYS)
+    body = [f for f in FIELDS if f.openai]
+    assert {f.openai for f in body} <= set(openai_batch.BODY_KEYS)
+    assert all(openai_batch.SCHEMA.field(f.column).type == f.arrow for f in body)
+
+
+def _job(tmp_path: Path, sampling: dict, **columns):
+    (tmp_path / "in").mkdir(exist_ok=True)
+    pq.write_table(pa.table(columns), tmp_path / "in" / "rows.parquet")
+    return load_config(None, data={"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out")},
+                                   "model": {"path": str(MODEL)}, "prompt": {"chat_template": "off"},
+                                   "sampling": sampling})
+
+
+def _job_rows(cfg) -> pa.Table:
+    from pipeline.inputs.plan import inspect_inputs
+
+    inputs = inspect_inputs(cfg.input)
+    return preprocess_batch(read_file(inputs, 0, cfg.sampling.n), PreprocessPlan(inputs, cfg.model, cfg.prompt,
+                                                                                 cfg.sampling))
+
+
+def test_min_tokens_in_the_job_config_is_validated():
+    assert SamplingConfig(min_tokens=4, max_new_tokens=4).min_tokens == 4
+    for bad, message in (({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 9, "max_new_tokens": 8}, "<= max_new_tokens"),
+                         ({"min_tokens": 2, "structured": {"regex": "a"}}, "min_tokens cannot be combined with structured")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, data={"input": {"paths": ["x"]}, "output": {"path": "y"}, "model": {"path": "m"},
+                                    "sampling": bad})
+
+
+def test_min_tokens_from_the_config_a_column_and_a_bad_column(tmp_path):
+    cfg = _job(tmp_path, {"min_tokens": 3, "max_new_tokens": 8}, prompt=["a", "b", "c"], min_tokens=[None, 5, 9])
+    rows = _job_rows(cfg)
+    requests = read_requests(rows[REQUEST])
+    assert [p and p.min_tokens for p in requests.params] == [3, 5, None]
+    assert rows["error"].to_pylist()[2] == "column 'min_tokens' must be an int in [0, max_new_tokens=8], got 9"
+
+
+def test_min_tokens_in_sampling_params_and_an_openai_body():
+    assert sampling_params_of({"min_tokens": 3, "max_tokens": 5}).min_tokens == 3
+    with pytest.raises(RowError, match=r"^sampling_params.min_tokens must be an int in \[0, max_new_tokens=5\]"):
+        sampling_params_of({"min_tokens": 6, "max_tokens": 5})
+    body = {"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 5}}
+    row, _ = request_row({**body, "body": {**body["body"], "min_tokens": 3}}, None, 1, "b.jsonl")
+    assert row["min_tokens"] == 3 and row.get("__input_error") is None
+    row, _ = request_row({**body, "body": {**body["body"], "min_tokens": 6}}, None, 1, "b.jsonl")
+    assert row["__input_error"] == ("line 1 of b.jsonl: body.min_tokens must be an int in [0, max_new_tokens=5], "
+                                    "got 6")
+    row, _ = request_row({**body, "body": {**body["body"], "max_completion_tokens": 2, "min_tokens": 3}}, None, 1,
+                         "b.jsonl")
+    assert row["__input_error"].startswith("line 1 of b.jsonl: body.min_tokens must be an int in [0, max_new_tokens=2]")
+    no_max = {**body, "body": {"prompt": "x", "min_tokens": 100}}       # the job's max_new_tokens decides, later
+    assert request_row(no_max, None, 1, "b.jsonl")[0]["min_tokens"] == 100
+
+
+@pytest.fixture(scope="module")
+def stage():
+    from pipeline.actor.stage import GenerationStage, StagePlan
+
+    return GenerationStage(StagePlan(ModelConfig(path=str(MODEL)), EngineKwargs(max_batch_size=4, dtype="float32"),
+                                     use_gpu=False))
+
+
+def _generated(stage, prepared: pa.Table) -> list[dict]:
+    return asyncio.run(stage(prepared)).to_pylist()
+
+
+def _no_eos_before(row: dict, n: int, eos: frozenset[int]) -> None:
+    assert row["error"] is None and row["num_generated_tokens"] >= n, row
+    assert not eos.intersection(row["generated_tokens"][:n]), row["generated_tokens"]
+
+
+def test_min_tokens_end_to_end_on_the_bundled_model(stage, tmp_path):
+    """Every source asks for min_tokens=12 where greedy decoding ends at EOS sooner: no EOS before 12."""
+    plan = PreparePlan(ModelConfig(path=str(MODEL)), StorageConfig(), ChatTemplate("off"))
+    free, processor = _generated(stage, prepare_batch(pa.table({
+        "prompt": [EARLY_EOS] * 2, "sampling_params": [{"max_tokens": 24}, {"max_tokens": 24, "min_tokens": 12}]}),
+        plan))
+    assert free["finish_reason"] == "stop" and free["num_generated_tokens"] < 12    # the case min_tokens changes
+    _no_eos_before(processor, 12, stage.eos_ids)
+    short = free["generated_tokens"][:-1]                   # up to its EOS, the forced run decodes the same
+    assert processor["generated_tokens"][:len(short)] == short
+    job = _job_rows(_job(tmp_path, {"max_new_tokens": 24, "min_tokens": 12}, prompt=[EARLY_EOS]))
+    body = {"custom_id": "o", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": EARLY_EOS, "max_tokens": 24, "min_tokens": 12}}
+    staged, _ = request_row(body, None, 1, "b.jsonl")
+    (tmp_path / "oa").mkdir()
+    pq.write_table(pa.Table.from_pylist([staged], schema=openai_batch.SCHEMA), tmp_path / "oa" / "staged.parquet")
+    cfg = load_config(None, data={"input": {"paths": [str(tmp_path / "oa")]}, "output": {"path": str(tmp_path / "o")},
+                                  "model": {"path": str(MODEL)}, "prompt": {"chat_template": "off"},
+                                  "sampling": {"max_new_tokens": 24}})
+    for table in (job, _job_rows(cfg)):
+        (row,) = _generated(stage, table)
+        _no_eos_before(row, 12, stage.eos_ids)
+        assert row["generated_tokens"] == processor["generated_tokens"]     # greedy: one answer, three sources
+
+
+def test_min_tokens_is_in_the_resume_fingerprint_only_when_set(tmp_path):
+    from pipeline.run.fingerprint import fingerprint
+
+    assert "sampling.min_tokens" not in fingerprint(_job(tmp_path, {}, prompt=["a"]))    # older outputs resume
+    assert fingerprint(_job(tmp_path, {"min_tokens": 3}, prompt=["a"]))["sampling.min_tokens"] == 3
