@@ -12,6 +12,7 @@ from orthrus.engine.host.grammar import check_structured
 from orthrus.metrics import tokens_per_cycle
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import RowStats, SamplingParams
+from orthrus.reasoning import ReasoningTokens
 
 __all__ = ["Constraint", "ConstraintError", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
-           "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]
+           "ReasoningTokens", "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]

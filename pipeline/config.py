@@ -99,8 +99,8 @@ class PromptConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/min_tokens/seed/logprobs/stop/
-    structured override them (``pipeline/requests/sampling_fields.py``)."""
+    """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/min_tokens/max_thinking_tokens/
+    seed/logprobs/stop/structured override them (``pipeline/requests/sampling_fields.py``)."""
 
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
@@ -110,6 +110,11 @@ class SamplingConfig(_Section):
         "Fewest tokens generated per sample (vLLM's min_tokens): no EOS or stop_token_ids token ends a sample "
         "before it has this many (stop strings still do). At most max_new_tokens; cannot be combined with "
         "structured. 0 = off. A row's own 'min_tokens' column wins."))
+    max_thinking_tokens: int | None = Field(None, ge=0, description=(
+        "Thinking budget of reasoning models (rows whose prompt opens a think block, e.g. Qwen3 with "
+        "prompt.enable_thinking): after this many generated tokens without the think end, the think end "
+        "(and the template's '\\n\\n' unless the row is structured) is forced and the answer begins. "
+        "Exact under speculation. None = unbounded. A row's own 'max_thinking_tokens' column wins."))
     stop: list[str] = Field(default_factory=list, description=(
         "Stop strings: a row ends inside the engine in the iteration the first one appears, and the "
         "completion is cut right before it (finish_reason 'stop')."))

@@ -15,11 +15,13 @@ TOP_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.floa
 OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("id", pa.string()),
     pa.field("sample_index", pa.int64()),
-    pa.field("completion", pa.string()),
+    pa.field("completion", pa.string()),             # a reasoning row's answer only (after its think end)
+    pa.field("reasoning", pa.string()),              # its think block's text; null without a reasoning phase
     pa.field("finish_reason", pa.string()),          # "stop" | "length" | "error"
     pa.field("error", pa.string()),                  # null unless finish_reason == "error"
     pa.field("num_prompt_tokens", pa.int64()),
     pa.field("num_completion_tokens", pa.int64()),
+    pa.field("num_reasoning_tokens", pa.int64()),    # of those, up to and including the think end
     pa.field("num_cycles", pa.int64()),
     pa.field("num_forward_passes", pa.int64()),
     pa.field("num_draft_tokens", pa.int64()),

@@ -192,7 +192,7 @@ class GenerationStage:
         # so this actor's batches add up to its engine's counts.
         since, self.reported = growth(end.stats, self.reported), end.stats
         table = self._assemble(batch, results, errors, params, audits, (started, seconds), (arrival, end), since)
-        table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None)
+        table = detokenize_batch(table, self.tokenizer if self.plan.detokenize else None, self.engine.reasoning)
         if self.metrics is not None:
             try:
                 self.metrics.record(table, end, since)
@@ -267,7 +267,7 @@ _ASSEMBLED = ("generated_tokens", "num_generated_tokens", "finish_reason", ERROR
               "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
               "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
               "time_in_engine_s", "batch_wall_seconds", "audit_match", "audit_first_divergence", "model",
-              S.TEXT_IDS, S.STOP_TEXT)
+              "num_reasoning_tokens", S.TEXT_IDS, S.STOP_TEXT)
 
 
 def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:

@@ -41,7 +41,10 @@ SCHEMA = pa.schema([
 ])
 # Body keys this job reads (the prompt's key by url); the rest follow ``request_keys``' one rule.
 BODY_KEYS = (*(f.openai for f in _BODY), "max_completion_tokens", "top_logprobs", "n", "response_format",
-             *GUIDED_KEYS)
+             "reasoning_effort", *GUIDED_KEYS)
+# OpenAI's ``reasoning_effort`` as a thinking budget (``max_thinking_tokens``, which wins when both are
+# given): "none" closes the think block at once; the others are budgets in tokens.
+REASONING_EFFORT = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
 _PART_SEPARATOR = "\n"          # text parts of one message joined as vLLM's OpenAI server joins them
 
 
@@ -59,6 +62,13 @@ def _key(body: dict, f: SamplingField) -> str:
     if f.engine == "max_new_tokens" and body.get("max_completion_tokens") is not None:
         return "max_completion_tokens"
     return f.openai
+
+
+def _effort(value: Any) -> int:
+    """``body.reasoning_effort`` → its thinking budget (``REASONING_EFFORT``)."""
+    if value not in REASONING_EFFORT:
+        raise _Bad(f"body.reasoning_effort must be one of {', '.join(REASONING_EFFORT)}, got {_show(value)}")
+    return REASONING_EFFORT[value]
 
 
 def _chat_logprobs(body: dict) -> Any:
@@ -90,6 +100,8 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
 
     raw = {f.engine: (_chat_logprobs(body) if chat and f.engine == "logprobs" else body.get(_key(body, f)))
            for f in _BODY}
+    if raw["max_thinking_tokens"] is None and body.get("reasoning_effort") is not None:
+        raw["max_thinking_tokens"] = _effort(body["reasoning_effort"])
     try:
         given = {e: parse(BY_ENGINE[e], v, name(e), vllm=True) for e, v in raw.items() if v is not None}
         check = {k: v for k, v in given.items() if k != "stop"}

@@ -41,7 +41,7 @@ from pipeline.inputs.staged_source import STAGED_KEY
 from pipeline.storage.uris import STORE_ERRORS
 from pipeline.tasks import map_tasks
 
-_VERSION = 2                      # of the conversion rules (2: min_tokens); another version converts again
+_VERSION = 3                      # of the conversion rules (2: min_tokens, 3: max_thinking_tokens); another converts again
 _SNIFF_BLOCK, _SNIFF_LIMIT = 1 << 20, 8 << 20
 _MAGIC = {b"PAR1": "it looks like a Parquet file", b"\x1f\x8b": "it looks gzip-compressed: name it .gz",
           b"\x28\xb5\x2f\xfd": "it looks zstd-compressed: name it .zst"}

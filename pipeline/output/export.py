@@ -38,7 +38,7 @@ BATCH_ROWS = 4096                       # rows turned into Python objects at a t
 # What an openai_batch line needs; the optional ones may be missing from older parts.
 _OPENAI_COLUMNS = ("id", "sample_index", "completion", "finish_reason", "error", "num_prompt_tokens",
                    "num_completion_tokens", "token_logprobs", "top_logprobs", "model", "openai_url",
-                   GENERATED_IDS)
+                   GENERATED_IDS, "reasoning", "num_reasoning_tokens")
 
 
 def check_openai_batch_n(n: int) -> None:
@@ -214,12 +214,17 @@ def completion_body(row: dict, tokens: TokenText | None, created: int) -> dict:
     """The response body: a chat completion, or a text completion for ``/v1/completions`` rows."""
     prompt, generated = row.get("num_prompt_tokens") or 0, row.get("num_completion_tokens") or 0
     usage = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    if row.get("num_reasoning_tokens") is not None:       # a reasoning row (vLLM's and OpenAI's fields)
+        usage["completion_tokens_details"] = {"reasoning_tokens": row["num_reasoning_tokens"]}
     if (row.get("openai_url") or CHAT_URL) == COMPLETIONS_URL:
         choice = {"index": 0, "text": row["completion"], "logprobs": text_logprobs(row, tokens),
                   "finish_reason": row["finish_reason"]}
         return {"id": "cmpl-" + _hex("completion", row, 24), "object": "text_completion", "created": created,
                 "model": row.get("model"), "choices": [choice], "usage": usage}
-    choice = {"index": 0, "message": {"role": "assistant", "content": row["completion"]},
+    message = {"role": "assistant", "content": row["completion"]}
+    if row.get("reasoning") is not None:
+        message["reasoning_content"] = row["reasoning"]
+    choice = {"index": 0, "message": message,
               "logprobs": chat_logprobs(row, tokens), "finish_reason": row["finish_reason"]}
     return {"id": "chatcmpl-" + _hex("completion", row, 24), "object": "chat.completion", "created": created,
             "model": row.get("model"), "choices": [choice], "usage": usage}

@@ -45,6 +45,8 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("max_new_tokens", "max_tokens", "max_new_tokens", "max_tokens", pa.int64(), "int",
                   "max_new_tokens"),
     SamplingField("min_tokens", "min_tokens", "min_tokens", "min_tokens", pa.int64(), "int", "min_tokens"),
+    SamplingField("max_thinking_tokens", "max_thinking_tokens", "max_thinking_tokens", "max_thinking_tokens",
+                  pa.int64(), "int", "max_thinking_tokens"),
     SamplingField("seed", "seed", "seed", "seed", pa.int64(), "int", "seed"),
     SamplingField("stop", "stop", "stop", "stop", pa.list_(pa.string()), "strings", "stop"),
     SamplingField("stop_token_ids", "stop_token_ids", None, None, pa.list_(pa.int64()), "ints", "stop_token_ids"),

@@ -16,7 +16,7 @@ from pipeline.config import ConfigError, JobConfig
 
 # Settings added after outputs with fingerprints existed, left out at their default (which is what
 # those outputs were generated with), so such an output resumes unchanged.
-_LATER_DEFAULTS = {"sampling.min_tokens": 0}
+_LATER_DEFAULTS = {"sampling.min_tokens": 0, "sampling.max_thinking_tokens": None}
 
 
 def fingerprint(config: JobConfig) -> dict[str, object]:

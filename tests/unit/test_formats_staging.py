@@ -223,7 +223,7 @@ def test_openai_batch_requests_become_fixed_columns_and_error_rows(tmp_path):
 
     plan = inspect_inputs(new, STORAGE)
     assert plan.input_error and plan.passthrough == ("openai_url",)
-    assert set(plan.override_columns) == {"temperature", "top_p", "top_k", "max_new_tokens", "min_tokens", "seed", "logprobs", "stop"}
+    assert set(plan.override_columns) == {"temperature", "top_p", "top_k", "max_new_tokens", "min_tokens", "max_thinking_tokens", "seed", "logprobs", "stop"}
 
 
 # ---------------------------------------------------------------- reuse
