@@ -29,6 +29,8 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("tokens_per_cycle", pa.float64()),
     pa.field("accept_length_histogram", pa.list_(pa.int64())),
     pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion
+    pa.field("num_reasoning_cycles", pa.int64()),    # of the cycles, those begun while thinking
+    pa.field("num_reasoning_accepted_draft_tokens", pa.int64()),   # and the drafts they accepted
     pa.field("token_logprobs", pa.list_(pa.float32())),            # null unless the row asked for logprobs
     pa.field("generated_token_ids", pa.list_(pa.int32())),         # null unless the row asked for logprobs
     pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),     # null unless logprobs > 0

@@ -15,7 +15,8 @@ from pipeline.requests.errors import ERROR
 _COLUMNS = ("generated_tokens", "num_generated_tokens", "finish_reason", "num_cycles", "num_forward_passes",
             "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
             "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
-            "time_in_engine_s", "num_reasoning_tokens", S.TEXT_IDS, S.STOP_TEXT)
+            "time_in_engine_s", "num_reasoning_tokens", "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens",
+            S.TEXT_IDS, S.STOP_TEXT)
 _ERROR_ROW = (None,) * len(_COLUMNS)        # finish_reason and error: ``errors.finish_columns``
 
 
@@ -34,7 +35,14 @@ def _row(r: RequestOutput, p: SamplingParams, eos_ids: frozenset[int]) -> tuple:
     return (ids, len(ids), r.finish_reason, s.num_cycles, s.num_forward_passes, s.num_draft_tokens,
             s.num_accepted_draft_tokens, float(s.tokens_per_cycle), s.accept_length_histogram,
             s.num_tokens_after_stop, r.token_logprobs, _top(r), r.cumulative_logprob, r.queue_seconds,
-            r.engine_seconds, r.num_reasoning_tokens, _text_ids(r, p, eos_ids), r.text)
+            r.engine_seconds, r.num_reasoning_tokens, *_thinking(r), _text_ids(r, p, eos_ids), r.text)
+
+
+def _thinking(r: RequestOutput) -> tuple[int | None, int | None]:
+    """A reasoning row's cycles begun while thinking and the drafts they accepted (None: no phase)."""
+    if r.num_reasoning_tokens is None:
+        return None, None
+    return r.stats.num_reasoning_cycles, r.stats.num_reasoning_accepted_draft_tokens
 
 
 def _text_ids(r: RequestOutput, p: SamplingParams, eos_ids: frozenset[int]) -> list[int]:

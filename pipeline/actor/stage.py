@@ -267,7 +267,8 @@ _ASSEMBLED = ("generated_tokens", "num_generated_tokens", "finish_reason", ERROR
               "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
               "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
               "time_in_engine_s", "batch_wall_seconds", "audit_match", "audit_first_divergence", "model",
-              "num_reasoning_tokens", S.TEXT_IDS, S.STOP_TEXT)
+              "num_reasoning_tokens", "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens",
+              S.TEXT_IDS, S.STOP_TEXT)
 
 
 def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:

@@ -59,7 +59,10 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
                  "finish_reason": total["finish_reason"], "duplicate_keys": duplicates},
         "tokens": {"prompt": sums["num_prompt_tokens"], "completion": sums["num_completion_tokens"],
                    # decoded past a stop string before the row ended (at most one block per row)
-                   "decoded_after_stop": sums["num_tokens_after_stop"] if total["after_stop_known"] else None},
+                   "decoded_after_stop": sums["num_tokens_after_stop"] if total["after_stop_known"] else None,
+                   # reasoning rows' thinking (up to and including the think end) and the rest
+                   "reasoning": sums.get("num_reasoning_tokens", 0),
+                   "answer": sums["num_completion_tokens"] - sums.get("num_reasoning_tokens", 0)},
         # prompt tokens the generation engines prefilled and copied from a slot holding them (the
         # prefix cache), summed over the batches committed in data/ (engine work: retries included)
         "prefill": _prefill(total.get("prefill")),
@@ -72,7 +75,8 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
             "tokens_per_cycle": {
                 "mean_per_row": spec["tpc_sum"] / spec["spec_rows"] if spec["spec_rows"] else None,
                 "token_weighted": spec["tpc_weighted_sum"] / spec["tpc_weight"] if spec["tpc_weight"] else None,
-                "pooled": pooled, "tpf_pooled": pooled / 2 if pooled is not None else None},
+                "pooled": pooled, "tpf_pooled": pooled / 2 if pooled is not None else None,
+                **_by_phase(sums)},
             "accept_length_histogram": hist,
             "acceptance_rate_by_position": rate,
             "conditional_acceptance_by_position": cond,
@@ -233,3 +237,15 @@ def render_table(summary: dict, where: str) -> str:
         lines.append(f"  actor          {a['actor']} gpu_ids={a['gpu_ids']}: {a['rows']} rows, "
                      f"{_fmt(a['tokens_per_second'], '.1f')} tok/s")
     return "\n".join(lines)
+
+
+def _by_phase(sums: dict) -> dict:
+    """Pooled tokens per cycle of the iterations begun while reasoning rows thought, and of all the
+    others (how well the drafter does on thinking vs answers); nothing without reasoning rows."""
+    cycles_r = sums.get("num_reasoning_cycles", 0)
+    if not cycles_r:
+        return {}
+    accepted_r = sums.get("num_reasoning_accepted_draft_tokens", 0)
+    rest = sums["num_cycles"] - cycles_r
+    return {"reasoning_pooled": tokens_per_cycle(accepted_r, cycles_r),
+            "answer_pooled": tokens_per_cycle(sums["num_accepted_draft_tokens"] - accepted_r, rest) if rest > 0 else None}

@@ -75,6 +75,12 @@ def test_parquet_rows_split_reasoning_from_the_answer(qwen3_orthrus_dir, tmp_pat
         r = got[rid]
         assert (r["reasoning"], r["completion"], r["num_reasoning_tokens"], r["finish_reason"]) == \
             (thought, answer, n, reason), r
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["tokens"]["reasoning"] == sum(r["num_reasoning_tokens"] for r in got.values())
+    assert summary["tokens"]["answer"] == summary["tokens"]["completion"] - summary["tokens"]["reasoning"]
+    assert summary["speculation"]["tokens_per_cycle"]["reasoning_pooled"] >= 1.0
+    assert all(0 <= r["num_reasoning_cycles"] <= r["num_cycles"] for r in got.values())
+    assert got["free"]["num_reasoning_cycles"] > 0
     if where == "column":      # never closed: all of it is reasoning, the answer is empty
         assert got["free"]["completion"] == "" and got["free"]["num_reasoning_tokens"] == got["free"]["num_completion_tokens"]
 
