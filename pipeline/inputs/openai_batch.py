@@ -87,7 +87,7 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
     each checked now by the one validation (``sampling_fields``), so a bad one names the body's key."""
     n = body.get("n")
     if n is not None and n != 1:
-        raise _Bad("n > 1 per request is not supported; set sampling.n" if isinstance(n, int) and n > 1
+        raise _Bad("body.n must be 1 (n > 1 per request is not supported; set sampling.n)" if isinstance(n, int) and n > 1
                    else f"body.n must be 1, got {_show(n)}")
 
     def name(engine: str) -> str:
@@ -211,7 +211,7 @@ def request_row(obj: dict | None, error: str | None, number: int, name: str) -> 
         return {"id": row_id, INPUT_ERROR: error}, True
     try:
         if not good_id:
-            raise _Bad("custom_id must be a non-empty string" if "custom_id" in obj else "no custom_id")
+            raise _Bad("custom_id must be a non-empty string" if "custom_id" in obj else "custom_id is missing")
         return {"id": row_id, **_request(obj)}, False
     except _Bad as e:
         return {"id": row_id, INPUT_ERROR: f"line {number} of {name}: {e}"}, not good_id

@@ -16,8 +16,21 @@ problem is, in the user's own names (``column 'top_p'``, ``sampling_params.top_k
 """
 from __future__ import annotations
 
+import re
+
 MAX_ERROR_CHARS = 500   # a cell's text can be huge (a whole prompt in an exception); the cause is at the start
 ERROR = "error"         # the column; null unless finish_reason == "error"
+
+
+# The format, checkable: where -- an input file's line (``line 7 of batch.jsonl: ``), a column, a
+# request key path, a prompt field, or the stage that failed -- then a space or a colon. Tests hold
+# every error row to it.
+FORMAT = re.compile(
+    r"^(line \d+ of [^:]+: "
+    r"|(column '[^']+'"
+    r"|(sampling_params|sampling|body|structured|messages|prompt|custom_id|method|url|tokenized_prompt)([.\[][\w\[\].]*)?"
+    r"|tokenization failed|invalid request|decoding failed|row timeout|detokenization failed|not generated"
+    r"|not decoded|chat template failed|formatting the prompt failed)[ :])")
 
 
 class RowError(ValueError):

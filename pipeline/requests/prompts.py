@@ -91,7 +91,7 @@ def format_prompt(prompt: Any, messages: Any, cfg: ChatTemplate, tokenizer) -> t
         raise RowError("prompt is empty" if not prompt else "prompt is whitespace-only")
     if not uses_chat_template(cfg, tokenizer):
         if prompt is None:
-            raise RowError("row has no prompt (messages need prompt.chat_template 'on' or 'auto')")
+            raise RowError("prompt is missing (messages need prompt.chat_template 'on' or 'auto')")
         _check_text(prompt, "prompt")
         return prompt, True
     if messages is not None:
@@ -99,7 +99,7 @@ def format_prompt(prompt: Any, messages: Any, cfg: ChatTemplate, tokenizer) -> t
     elif prompt:
         msgs = [{"role": "user", "content": prompt}]
     else:
-        raise RowError("row has neither a prompt nor messages")
+        raise RowError("prompt and messages are both missing")
     try:
         text = tokenizer.apply_chat_template(msgs, chat_template=cfg.template, tokenize=False,
                                              add_generation_prompt=True, **dict(cfg.kwargs))

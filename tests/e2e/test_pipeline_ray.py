@@ -156,7 +156,7 @@ def test_mixed_good_and_bad_rows_all_come_out(e2e):
     assert len(mixed) == 8 and sum(r["source"].startswith("mixed") for r in e2e["rows"]) == 16
     for i in (0, 5, 7):
         assert mixed[i]["finish_reason"] in ("stop", "length") and mixed[i]["completion"] is not None
-    expected = {1: "row has neither a prompt nor messages",
+    expected = {1: "prompt and messages are both missing",
                 2: "messages[0] must have string 'role' and 'content'",
                 3: "column 'temperature' must be a finite number >= 0",
                 4: "invalid request: prompt has ",

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import BehaviourConfig, ConfigError
+from pipeline.requests.errors import FORMAT
 from pipeline.output.directory import OutputDir, read_footer
 from pipeline.output.parts import PartWriter
 from pipeline.report.progress import Progress
@@ -161,7 +162,7 @@ ROWS = [
     ("good", "def f(x):", None, {}, None),
     ("good-msg", None, MSG % "hi", {}, None),
     ("ctrl", "def f():\x00\x1b[31m\x07\r", None, {}, None),       # control characters are text: generated
-    ("null", None, None, {}, "row has neither a prompt nor messages"),
+    ("null", None, None, {}, "prompt and messages are both missing"),
     ("empty", "", None, {}, "prompt is empty"),
     ("blank", "  \n\t ", None, {}, "prompt is whitespace-only"),
     ("msg-json", None, "[{'role': 'user'", {}, "messages is not valid JSON"),
@@ -217,11 +218,12 @@ def test_bad_rows_become_error_rows_rows_in_equal_rows_out(tmp_path, weightless_
     for (row_id, _), r in rows.items():
         expected = by_id[row_id][4]
         if chat_template == "off" and by_id[row_id][1] is None:    # messages need a chat template
-            expected = "row has no prompt"
+            expected = "prompt is missing"
         if expected is None:
             assert r["error"] is None and r["__request"]["prompt_token_ids"], r
         else:
             assert r["error"] and expected in r["error"], (row_id, r["error"])
+            assert FORMAT.match(r["error"]), r["error"]          # the documented format (errors.py)
             assert r["__request"] is None
     extra = ["id", "../../escape", "meta", "blob"]  # unknown columns pass through unchanged
     want = table.select(extra).take([i // 2 for i in range(out.num_rows)])

@@ -17,6 +17,7 @@ from pipeline.inputs.plan import INPUT_ERROR, inspect_inputs, resolve_files
 from pipeline.inputs.json_lines import JSON_SUFFIXES
 from pipeline.inputs.openai_batch import SCHEMA as OPENAI_SCHEMA
 from pipeline.inputs.staging import STAGED_KEY, input_format, sniff_sources, stage
+from pipeline.requests.errors import FORMAT
 from support.job_inputs import job_config, preprocess_rows, write_shard
 from support.paths import TOKENIZER_DIR
 
@@ -209,9 +210,10 @@ def test_openai_batch_requests_become_fixed_columns_and_error_rows(tmp_path):
     assert rows["c13"][INPUT_ERROR] is None and rows["c13"]["logprobs"] is None
 
     errors = {i: r[INPUT_ERROR] for i, r in rows.items() if r[INPUT_ERROR]}
+    assert all(FORMAT.match(e) for e in errors.values()), errors          # the documented format (errors.py)
     assert errors["batch.jsonl:5"].startswith("line 5 of batch.jsonl: not valid JSON")
-    assert errors["batch.jsonl:6"] == "line 6 of batch.jsonl: no custom_id"
-    assert errors["c7"] == "line 7 of batch.jsonl: n > 1 per request is not supported; set sampling.n"
+    assert errors["batch.jsonl:6"] == "line 6 of batch.jsonl: custom_id is missing"
+    assert errors["c7"] == "line 7 of batch.jsonl: body.n must be 1 (n > 1 per request is not supported; set sampling.n)"
     assert errors["c8"].startswith("line 8 of batch.jsonl: url must be '/v1/chat/completions' or '/v1/completions'")
     assert "'image_url' part; only text parts are supported" in errors["c9"]
     assert errors["c10"] == "line 10 of batch.jsonl: method must be 'POST', got 'GET'"

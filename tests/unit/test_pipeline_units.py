@@ -113,7 +113,7 @@ def test_preprocess_mixed_rows_become_error_rows(tmp_path, weightless_model):
         ("bad-msg", 1), ("bad-temp", 0), ("bad-temp", 1), ("bad-topk", 0), ("bad-topk", 1)]  # ok-prompt/1 done
     errors = {r["id"]: r["error"] for r in out}
     assert errors["ok-msg"] is None and errors["ok-prompt"] is None
-    assert errors["neither"] == "row has neither a prompt nor messages"
+    assert errors["neither"] == "prompt and messages are both missing"
     assert "messages[0] must have string 'role' and 'content'" in errors["bad-msg"]
     assert "column 'temperature' must be a finite number >= 0" in errors["bad-temp"]
     assert "'top_k' must be an integer" in errors["bad-topk"]

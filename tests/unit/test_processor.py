@@ -59,7 +59,7 @@ def test_prepare_and_generate_rows_in_the_processors_shape(tiny_orthrus_dir):
     assert [r["tag"] for r in rows] == ["a", "b", "c", "d"] and "__batch" not in rows[0]
     assert rows[0]["num_generated_tokens"] == len(rows[0]["generated_tokens"]) == len(rows[0]["token_logprobs"])
     assert rows[0]["top_logprobs"] is None and rows[1]["token_logprobs"] is None and rows[0]["generated_text"]
-    assert rows[2]["finish_reason"] == "error" and "no prompt" in rows[2]["error"]
+    assert rows[2]["finish_reason"] == "error" and "prompt is missing" in rows[2]["error"]
     assert rows[3]["error"] == "marked bad upstream" and rows[3]["generated_text"] is None
 
 
