@@ -10,6 +10,8 @@ grammar decides the answer's first token).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import llguidance
 import llguidance.hf
 import numpy as np
@@ -22,10 +24,14 @@ from orthrus.constraints import parse_constraint
 from orthrus.engine.host.grammar import _grammar
 from orthrus.reasoning import ReasoningTokens
 from support.constraints import PERSON, PROMPTS
+from support.oracles import chi2_pvalue
 from support.paths import TOKENIZER_DIR
 from support.tiny_models import hf_twin, tiny_model
 
-EOS = (4095, 4093)          # the bundled tokenizer's <|im_end|>, <|endoftext|>
+# The bundled tokenizer's <|im_end|>, <|endoftext|>, and 3802, which the model writes early in free
+# text (indices 2 and 4 after PROMPTS[2] and [3]): so thinking rows would end at once unless EOS is
+# excluded while they think.
+EOS = (4095, 4093, 3802)
 VOCAB = 4097
 # 100 opens thinking; the model writes 39 by itself at indices 5-8 of these prompts' free text.
 THINK = ReasoningTokens(start=100, end=39, separator=(198,))
@@ -126,8 +132,11 @@ def test_greedy_structured_after_thinking_equals_constrained_ar(model, tok, llto
     for (prompt, c, budget), o, n in zip(CASES, outs, counts):
         assert o.token_ids == reference_greedy(hf, lltok, prompt, c, budget), (c, budget)
         if THINK.opens_reasoning(prompt):
-            assert THINK.end in o.token_ids and o.num_reasoning_tokens == o.token_ids.index(THINK.end) + 1
-            places.add(_where_in_block(o.num_reasoning_tokens - 1, n))
+            closed = THINK.end in o.token_ids
+            assert closed or budget is None        # a budget always closes it
+            assert o.num_reasoning_tokens == (o.token_ids.index(THINK.end) + 1 if closed else len(o.token_ids))
+            if closed:
+                places.add(_where_in_block(o.num_reasoning_tokens - 1, n))
         else:
             assert o.num_reasoning_tokens is None
     assert any(o.finish_reason == "stop" for o in outs[:16])          # complete answers after thinking
@@ -162,7 +171,7 @@ def test_think_end_at_every_position_of_accepted_blocks(model, tok, lltok):
     params = [SamplingParams(max_new_tokens=MAX_NEW, structured=c, max_thinking_tokens=b) for _, c, b in CASES]
     outs, counts = _run(engine, [p for p, _, _ in CASES], params, True)
     assert [o.token_ids for o in outs] == expected
-    places = [_where_in_block(o.num_reasoning_tokens - 1, n) for o, n in zip(outs, counts) if o.num_reasoning_tokens]
+    places = [_where_in_block(o.num_reasoning_tokens - 1, n) for o, n in zip(outs, counts) if THINK.end in o.token_ids]
     assert {"first", "middle", "last"} <= set(places), places
     assert sum(o.stats.num_accepted_draft_tokens for o in outs) > 0.8 * sum(o.stats.num_draft_tokens for o in outs)
 
@@ -170,8 +179,6 @@ def test_think_end_at_every_position_of_accepted_blocks(model, tok, lltok):
 def test_every_answer_after_thinking_validates(model, tok):
     """The structured suite with thinking on (sampled, budgets spent and not): every row that stops
     has an answer (the text after its think end) that validates, checked without the grammar engine."""
-    from collections import Counter
-
     from jobs.structured_suite import SUITE, valid
     engine = OrthrusEngine(model, max_batch_size=16, tokenizer=tok, reasoning=THINK)
     cases = [(case, PROMPTS[i % 4] + [100], budget, seed) for case in SUITE for i, (budget, seed)
@@ -190,3 +197,64 @@ def test_every_answer_after_thinking_validates(model, tok):
     assert set(stopped) == {"json_schema", "regex", "choice", "grammar"}, stopped
     assert validated == stopped, (validated, stopped)
     print("validity", dict(stopped), "of", len(cases))
+
+
+# -- sampling: the constrained-after-thinking AR distribution, enumerated ------------------------
+PATTERN = {"regex": "[ab]{1,3}"}
+BUDGET, TOP_K, N = 2, 3, 3000
+
+
+def _exact_after_thinking(hf, lltok, prompt: list[int], temperature: float) -> dict[tuple[int, ...], float]:
+    """P(token sequence) under AR sampling with the rules (thinking: no EOS, the think end forced at
+    ``BUDGET``; then the grammar's masks), processed as the engine does (temperature, top-k)."""
+    from orthrus.sampling import SamplingTensors, process
+    st = SamplingTensors(torch.tensor([temperature], dtype=torch.float64), torch.tensor([TOP_K]),
+                         torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.bool), True)
+    m = llguidance.LLMatcher(lltok, _grammar(parse_constraint(PATTERN)), log_level=0)
+    dist: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: tuple[int, ...], prob: float, thinking: bool) -> None:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].clone()
+        if thinking and len(prefix) == BUDGET:
+            logits = torch.full_like(logits, float("-inf"))
+            logits[THINK.end] = 0.0
+        elif thinking:
+            logits[list(EOS)] = float("-inf")
+        else:
+            logits = logits.masked_fill(~_allowed(m), float("-inf"))
+        probs = process(logits[None, None], st)[0, 0]
+        for t in torch.nonzero(probs > 0).flatten().tolist():
+            p = prob * float(probs[t])
+            if t in EOS:
+                dist[prefix + (t,)] = dist.get(prefix + (t,), 0.0) + p
+            elif thinking:
+                walk(prefix + (t,), p, t != THINK.end)
+            else:
+                assert m.consume_token(t)
+                walk(prefix + (t,), p, False)
+                m.rollback(1)
+
+    walk((), 1.0, True)
+    return dist
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speculative", [True, False, "auto"], ids=["spec", "ar", "auto"])
+def test_sampled_structured_after_thinking_matches_the_ar_distribution(tok, lltok, speculative):
+    model = tiny_model(seed=5, vocab=VOCAB, eos=list(EOS), block_size=4, diff_noise=0.5, scale=20.0)
+    hf = hf_twin(model)
+    prompt = PROMPTS[1] + [100]
+    exact = _exact_after_thinking(hf, lltok, prompt, 0.8)
+    assert abs(sum(exact.values()) - 1) < 1e-9 and len(exact) > 10
+    engine = OrthrusEngine(model, max_batch_size=256, tokenizer=tok, reasoning=THINK)
+    params = [SamplingParams(temperature=0.8, top_k=TOP_K, seed=s, max_new_tokens=12, structured=PATTERN,
+                             max_thinking_tokens=BUDGET) for s in range(N)]
+    outs = engine.generate([prompt] * N, params, speculative=speculative)
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert set(counts) <= set(exact), "sampled a sequence the constrained AR model gives zero mass"
+    assert chi2_pvalue(counts, exact, N) > 1e-3
+    if speculative is True:
+        hist = np.sum([o.stats.accept_length_histogram for o in outs], axis=0)
+        assert hist[0] > 0 and hist[1:].sum() > 0                  # rejections and acceptances both occur
+        assert chi2_pvalue(counts, _exact_after_thinking(hf, lltok, prompt, 1.0), N) < 1e-6    # it has power
