@@ -86,7 +86,7 @@ def _bad_input_shards(d: Path) -> dict[str, str | None]:
                    d / "c-empty.parquet")
     pq.write_table(pa.table({"id": ["ok-d"], "prompt": pa.array(["def d():"], pa.large_string())}), d / "d.parquet")
     expected = {i: None for i in ("ok-a", "ok-b", "ok-d", "ctrl", *PATH_IDS)}
-    expected.update({"null": "neither a prompt nor messages", "empty": "prompt is empty",
+    expected.update({"null": "prompt and messages are both missing", "empty": "prompt is empty",
                      "blank": "whitespace-only", "utf8": "not valid UTF-8", "long": "context limit max_seq_len=64",
                      "temp": "column 'temperature' must be", "top_p": "column 'top_p' must be in (0, 1]",
                      "top_k": "column 'top_k' must be", "max0": "column 'max_new_tokens' must be",
