@@ -92,6 +92,7 @@ def test_chat_rows_equal_the_engine_fed_the_templated_prompt(chat_job, qwen3_ort
         outs = engine.generate([prompt, prompt], params)
         for r, out in zip(rows, outs):
             assert r["num_prompt_tokens"] == len(prompt)
+            assert r["reasoning"] is None and r["num_reasoning_tokens"] is None     # thinking off: no phase
             assert (r["completion"], r["num_completion_tokens"], r["finish_reason"]) == \
                 (tok.decode(out.token_ids, skip_special_tokens=True), len(out.token_ids), out.finish_reason)
 

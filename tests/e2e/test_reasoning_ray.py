@@ -39,18 +39,19 @@ def _run(d: Path, model_dir: Path, **sections) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-def _expected(model_dir: Path, text: str, budget: int | None) -> tuple[str, str, int, str]:
+def _expected(model_dir: Path, text: str, budget: int | None, structured: dict | None = None,
+              max_new: int = MAX_NEW) -> tuple[str, str, int, str]:
     """(reasoning, completion, num_reasoning_tokens, finish_reason) from the engine on the templated prompt."""
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     engine = OrthrusEngine(OrthrusForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), tokenizer=tok)
     chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
                                    enable_thinking=True)
     out = engine.generate([tok(chat, add_special_tokens=False)["input_ids"]],
-                          SamplingParams(max_new_tokens=MAX_NEW, max_thinking_tokens=budget))[0]
+                          SamplingParams(max_new_tokens=max_new, max_thinking_tokens=budget, structured=structured))[0]
     n, ids = out.num_reasoning_tokens, out.token_ids
     assert n is not None
-    if budget is not None:
-        assert n == budget + 1 and ids[budget: budget + 2] == [END_THINK, NL2]   # forced: the think end, "\n\n"
+    if budget is not None:     # forced: the think end, then "\n\n" unless a grammar decides
+        assert n == budget + 1 and ids[budget: budget + 2 - (structured is not None)] == [END_THINK, NL2][: 2 - (structured is not None)]
     thought = tok.decode([t for t in ids[:n] if t not in (THINK, END_THINK)], skip_special_tokens=True).strip()
     answer = ids[n:-1] if out.finish_reason == "stop" else ids[n:]
     return thought, tok.decode(answer, skip_special_tokens=True).lstrip("\n"), n, out.finish_reason
@@ -101,3 +102,18 @@ def test_openai_batch_reports_reasoning_content_and_tokens(qwen3_orthrus_dir, tm
         assert (message["reasoning_content"], message["content"], body["choices"][0]["finish_reason"]) == \
             (thought, answer, reason)
         assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": n}
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+def test_json_schema_after_thinking_through_the_job(qwen3_orthrus_dir, tmp_path):
+    """Thinking on with a JSON schema: the answer after the think end is valid JSON, as the engine makes it."""
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": ["json"], "prompt": [PROMPTS["budget"]]}), tmp_path / "in" / "rows.parquet")
+    _run(tmp_path, qwen3_orthrus_dir, input={"paths": [str(tmp_path / "in")]},
+         sampling={"max_new_tokens": 24, "max_thinking_tokens": 4, "structured": {"json_schema": SCHEMA}})
+    (r,) = pq.read_table(tmp_path / "out" / "data").to_pylist()
+    thought, answer, n, reason = _expected(qwen3_orthrus_dir, PROMPTS["budget"], 4, {"json_schema": SCHEMA}, 24)
+    assert (r["reasoning"], r["completion"], r["num_reasoning_tokens"], r["finish_reason"]) == (thought, answer, n, reason)
+    assert reason == "stop" and json.loads(answer) in ({"ok": True}, {"ok": False})
