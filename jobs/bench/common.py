@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = "bench-results"
 # workload → its module (imported only when it runs: several need the job's stack)
 WORKLOADS = {"speed": "speed", "logprobs": "logprobs", "vocab": "vocab", "prefix": "prefix", "ab": "ab",
-             "structured": "structured", "short": "short", "scale": "scale", "storage": "storage"}
+             "structured": "structured", "short": "short", "scale": "scale", "storage": "storage",
+             "reasoning": "reasoning"}
 DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only WORKLOAD: the same).
 
     speed       (default) Orthrus vs our AR mode vs transformers generate, per batch size; on CPU
@@ -33,6 +34,7 @@ DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only W
     prefix      prefix cache and short outputs      ab          the engine at a git ref vs the working tree's
     structured  grammar constraints' cost           short       1-token rows: the job vs the bare engine
     scale       the job around the engine at scale  storage     the job on local disk vs S3 on loopback
+    reasoning   thinking on with a JSON schema: speculative ÷ AR, constrained ÷ free
 
 Results: bench-results/<workload>.json (--out to write elsewhere); speed also bench-results/speed.png.
 python -m jobs.bench WORKLOAD --help lists that workload's own options.

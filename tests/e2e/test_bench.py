@@ -133,3 +133,15 @@ def test_bench_structured_reports_costs_checks_and_suite_validity(tmp_path, monk
     assert common.results_path(args) == tmp_path / "structured.json"
     assert args.batch_sizes == "1" and args.reps == 3
     assert args.threads == 1
+
+
+def test_bench_reasoning_reports_phases_ratios_and_checks(tmp_path):
+    out = tmp_path / "reasoning.json"
+    bench.main(["reasoning", "--batch-sizes", "2", "--reps", "1", "--max-new-tokens", "24", "--min-rows", "3",
+                "--thinking-budget", "4", "--out", str(out)])
+    report = json.loads(out.read_text())
+    cell, checks = report["results"]["B=2"], report["checks"]["B=2"]
+    assert checks["spec_equals_ar"] and checks["json_answers_valid"] == checks["json_answers_stopped"]
+    assert cell["json_spec"]["reasoning_tokens"] == 3 * 5        # budget 4, then the forced think end
+    for key in ("free_spec_over_ar", "json_spec_over_ar", "json_over_free_spec", "json_over_free_ar"):
+        assert cell[key]["medians"] > 0 and cell[key]["pairs"] > 0
