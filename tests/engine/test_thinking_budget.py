@@ -145,15 +145,17 @@ def _exact(model, budget: int | None) -> dict[tuple[int, ...], float]:
 
 
 @pytest.mark.slow
-def test_sampled_thinking_budget_matches_the_forced_ar_distribution():
+@pytest.mark.parametrize("speculative", [True, False, "auto"], ids=["spec", "ar", "auto"])
+def test_sampled_thinking_budget_matches_the_forced_ar_distribution(speculative):
     model = tiny_model(seed=3, vocab=VOCAB, eos=EOS, block_size=3, diff_noise=0.7, scale=3.0)
     exact = _exact(model, BUDGET)
     assert abs(sum(exact.values()) - 1) < 1e-9 and len(exact) > 20
     engine = OrthrusEngine(model, max_batch_size=512, reasoning=SMALL)
     params = [SamplingParams(seed=s, max_thinking_tokens=BUDGET, **PARAMS) for s in range(N)]
-    results = engine.generate([PROMPT] * N, params, speculative=True)
+    results = engine.generate([PROMPT] * N, params, speculative=speculative)
     counts = Counter(tuple(r.token_ids) for r in results)
-    assert sum(r.stats.accept_length_histogram[0] for r in results) > 0        # drafts were rejected too
+    if speculative is True:
+        assert sum(r.stats.accept_length_histogram[0] for r in results) > 0        # drafts were rejected too
     assert set(counts) <= set(exact), "sampled a sequence the forced AR model gives zero mass"
     assert chi2_pvalue(counts, exact, N) > 1e-3
     assert chi2_pvalue(counts, _exact(model, None), N) < 1e-6                   # the check has power
