@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, SamplingParams
-from orthrus.sampling import SamplingTensors, process
-from support.oracles import chi2_pvalue
+from support.oracles import chi2_pvalue, enumerate_ar
 from support.tiny_models import hf_twin, tiny_model
 
 PROMPTS = [[1, 2, 3], [7, 8], [9, 10, 11, 12, 13], [14], [20, 21, 22, 23]]
@@ -67,25 +66,11 @@ PARAMS = dict(temperature=0.9, top_k=5, top_p=0.95, max_new_tokens=HORIZON)
 
 def _exact(model, min_tokens: int) -> dict[tuple[int, ...], float]:
     """P(sequence) under the processed AR model with EOS forbidden before ``min_tokens``, by enumeration."""
-    dist: dict[tuple[int, ...], float] = {}
-    st = SamplingTensors(torch.tensor([PARAMS["temperature"]], dtype=torch.float64), torch.tensor([PARAMS["top_k"]]),
-                         torch.tensor([PARAMS["top_p"]], dtype=torch.float64), torch.zeros(1, dtype=torch.bool), True)
-
-    def walk(prefix: tuple[int, ...], prob: float) -> None:
-        if len(prefix) == HORIZON or (prefix and prefix[-1] == EOS):
-            dist[prefix] = dist.get(prefix, 0.0) + prob
-            return
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + list(prefix)]))[:, -1:].clone()
+    def forbid(prefix: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
         if len(prefix) < min_tokens:
-            logits[..., EOS] = float("-inf")
-        probs = process(logits, st)[0, 0]
-        for tok in range(VOCAB):
-            if probs[tok] > 0:
-                walk(prefix + (tok,), prob * float(probs[tok]))
-
-    walk((), 1.0)
-    return dist
+            logits[EOS] = float("-inf")
+        return logits
+    return enumerate_ar(model, PROMPT, PARAMS, EOS, forbid)
 
 
 @pytest.mark.slow

@@ -15,8 +15,7 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.reasoning import ReasoningTokens
-from orthrus.sampling import SamplingTensors, process
-from support.oracles import chi2_pvalue
+from support.oracles import chi2_pvalue, enumerate_ar
 from support.qwen3_chat import END_THINK, IM_START, NL2, THINK
 from support.tiny_models import hf_twin, tiny_model
 
@@ -121,27 +120,11 @@ PARAMS = dict(temperature=0.9, top_k=5, top_p=0.95, max_new_tokens=HORIZON)
 
 def _exact(model, budget: int | None) -> dict[tuple[int, ...], float]:
     """P(sequence) under the processed AR model with the budget's intervention, by enumeration."""
-    dist: dict[tuple[int, ...], float] = {}
-    st = SamplingTensors(torch.tensor([PARAMS["temperature"]], dtype=torch.float64), torch.tensor([PARAMS["top_k"]]),
-                         torch.tensor([PARAMS["top_p"]], dtype=torch.float64), torch.zeros(1, dtype=torch.bool), True)
     force = ForceThinkEnd(len(PROMPT), budget, SMALL.forced) if budget is not None else None
 
-    def walk(prefix: tuple[int, ...], prob: float) -> None:
-        if len(prefix) == HORIZON or (prefix and prefix[-1] == EOS):
-            dist[prefix] = dist.get(prefix, 0.0) + prob
-            return
-        with torch.no_grad():
-            ids = torch.tensor([PROMPT + list(prefix)])
-            logits = model(ids)[:, -1]
-        if force is not None:
-            logits = force(ids, logits)
-        probs = process(logits[:, None], st)[0, 0]
-        for tok in range(VOCAB):
-            if probs[tok] > 0:
-                walk(prefix + (tok,), prob * float(probs[tok]))
-
-    walk((), 1.0)
-    return dist
+    def adjust(prefix: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
+        return logits if force is None else force(torch.tensor([PROMPT + list(prefix)]), logits[None])[0]
+    return enumerate_ar(model, PROMPT, PARAMS, EOS, adjust)
 
 
 @pytest.mark.slow

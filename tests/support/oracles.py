@@ -1,9 +1,11 @@
 """What the exactness tests compare against, written out independently of the engine: FlashAttention's
 KV-cache kernel as its docstring specifies it, a chi-square test of sampled sequences against an exact
-distribution, and a proposer that replays a known continuation (every draft accepted)."""
+distribution, the exact distribution of processed AR sampling by enumeration, and a proposer that
+replays a known continuation (every draft accepted)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from scipy.stats import chisquare
@@ -69,3 +71,28 @@ class OracleProposer:
                 pos = n + 1 + j
                 logits[i, j, self.sequence[pos] if pos < len(self.sequence) else 0] = 10.0
         return logits
+
+
+def enumerate_ar(model, prompt: list[int], params: dict, eos: int,
+                 adjust: Callable[[tuple[int, ...], torch.Tensor], torch.Tensor]) -> dict[tuple[int, ...], float]:
+    """P(sequence) of plain AR sampling, every path walked: the model's next-token logits ``[V]``,
+    changed by ``adjust(prefix, logits)`` (a rule under test: a mask, a forced token), processed as
+    the engine does with ``params`` (temperature, top_k, top_p; ``max_new_tokens`` the horizon);
+    a path ends at ``eos`` or the horizon. For small vocabularies and horizons only."""
+    from orthrus.sampling import SamplingTensors, process
+    st = SamplingTensors(torch.tensor([params["temperature"]], dtype=torch.float64), torch.tensor([params["top_k"]]),
+                         torch.tensor([params["top_p"]], dtype=torch.float64), torch.zeros(1, dtype=torch.bool), True)
+    dist: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == params["max_new_tokens"] or (prefix and prefix[-1] == eos):
+            dist[prefix] = dist.get(prefix, 0.0) + prob
+            return
+        with torch.no_grad():
+            logits = adjust(prefix, model(torch.tensor([prompt + list(prefix)]))[0, -1].clone())
+        probs = process(logits[None, None], st)[0, 0]
+        for tok in torch.nonzero(probs > 0).flatten().tolist():
+            walk(prefix + (tok,), prob * float(probs[tok]))
+
+    walk((), 1.0)
+    return dist
