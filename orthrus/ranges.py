@@ -70,18 +70,21 @@ class _Timed:
 
 
 _profiler_enabled: Callable[[], bool] | None = None     # torch.autograd._profiler_enabled, once torch is loaded
+_compiling: Callable[[], bool] | None = None            # torch.compiler.is_compiling: dynamo traces no range
 _NOTHING = nullcontext()                                # reusable: a range no one records
 
 
 def _recorder(name: str):
     """What a range does now: ``record_function(PREFIX + name)`` while a torch profiler records,
     timed by the active RangeTimers if any; None (nothing at all) otherwise."""
-    global _profiler_enabled
+    global _profiler_enabled, _compiling
     if _profiler_enabled is None:
         torch = sys.modules.get("torch")
         if torch is None:                   # no torch, no profiler
             return _Timed(name, None) if _timers else None
-        _profiler_enabled = torch.autograd._profiler_enabled
+        _profiler_enabled, _compiling = torch.autograd._profiler_enabled, torch.compiler.is_compiling
+    if _compiling():                        # torch.compile traces the work, never the profiling around it
+        return None
     rec = sys.modules["torch"].profiler.record_function(PREFIX + name) if _profiler_enabled() else None
     return _Timed(name, rec) if _timers else rec
 
