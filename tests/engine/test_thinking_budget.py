@@ -142,3 +142,15 @@ def test_sampled_thinking_budget_matches_the_forced_ar_distribution(speculative)
     assert set(counts) <= set(exact), "sampled a sequence the forced AR model gives zero mass"
     assert chi2_pvalue(counts, exact, N) > 1e-3
     assert chi2_pvalue(counts, _exact(model, None), N) < 1e-6                   # the check has power
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "ar"])
+def test_static_shapes_force_the_same_tokens(model, speculative):
+    """The static-shape path (CUDA graphs on a GPU; the same padded iterations on CPU) keys its graphs
+    by the thinking path too, and forces exactly what the eager path forces."""
+    params = [SamplingParams(max_new_tokens=MAX_NEW, max_thinking_tokens=b) for _, b in CASES]
+    prompts = [p for p, _ in CASES]
+    static = OrthrusEngine(model, max_batch_size=3, reasoning=THINK_TOKENS, static_shapes=True)
+    eager = OrthrusEngine(model, max_batch_size=3, reasoning=THINK_TOKENS)
+    assert [o.token_ids for o in static.generate(prompts, params, speculative=speculative)] == \
+        [o.token_ids for o in eager.generate(prompts, params, speculative=speculative)]
