@@ -144,6 +144,7 @@ def test_sampled_thinking_budget_matches_the_forced_ar_distribution(speculative)
     assert chi2_pvalue(counts, _exact(model, None), N) < 1e-6                   # the check has power
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [True, False], ids=["spec", "ar"])
 def test_static_shapes_force_the_same_tokens(model, speculative):
     """The static-shape path (CUDA graphs on a GPU; the same padded iterations on CPU) keys its graphs
