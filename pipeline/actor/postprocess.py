@@ -19,38 +19,58 @@ from pipeline.requests.errors import ERROR, finish_columns, row_error
 
 def detokenize_batch(batch: pa.Table, tokenizer, reasoning: ReasoningTokens | None = None) -> pa.Table:
     """Add ``generated_text`` (the engine's stop-string text, else the decoded ids; null without a
-    tokenizer, i.e. ``detokenize=False``) and, for rows with a reasoning phase, ``reasoning`` (the
-    think block's text, split off ``generated_text``: :func:`split_reasoning`); decide each row's
-    ``finish_reason`` and ``error`` (``errors.finish_columns``); drop the internal columns."""
+    tokenizer, i.e. ``detokenize=False``) and ``reasoning`` (:func:`_split`: a reasoning row's think
+    block, apart from its answer); decide each row's ``finish_reason`` and ``error``
+    (``errors.finish_columns``); drop the internal columns."""
     text_ids = batch[S.TEXT_IDS].to_pylist()
     stop_text = batch[S.STOP_TEXT].to_pylist()
     reasons = batch["finish_reason"].to_pylist()
     errors = batch[ERROR].to_pylist()
+    thinking = batch["num_reasoning_tokens"].to_pylist() \
+        if reasoning is not None and "num_reasoning_tokens" in batch.column_names else [None] * batch.num_rows
     completions: list[str | None] = [None] * len(text_ids)
+    thoughts: list[str | None] = [None] * len(text_ids)
     todo: list[int] = []                   # rows whose text is decoded from their ids
     for i, (reason, stop) in enumerate(zip(reasons, stop_text)):
         if reason is None or errors[i] is not None or tokenizer is None:
             continue
-        if stop is not None:
-            completions[i] = stop
-        else:
+        if stop is None:
             todo.append(i)
-    for i, text in zip(todo, _decode_all(tokenizer, [text_ids[i] for i in todo])):
-        if isinstance(text, Exception):   # a row that cannot be decoded is an error row
-            errors[i] = row_error("detokenization failed", text)
-        else:
-            completions[i] = text
-    thinking = batch["num_reasoning_tokens"].to_pylist() if "num_reasoning_tokens" in batch.column_names \
-        else [None] * batch.num_rows
-    decoded = set(todo)
-    thoughts = split_reasoning(completions, [ids if i in decoded else None for i, ids in enumerate(text_ids)],
-                               thinking, reasoning, tokenizer)
+        elif thinking[i] is None:
+            completions[i] = stop
+        else:                              # a stop string's cut text: split at the think end's text
+            thoughts[i], completions[i] = _split_text(stop, reasoning, tokenizer)
+    _decode_rows(tokenizer, todo, text_ids, thinking, reasoning, (completions, thoughts, errors))
     reasons, errors = finish_columns(reasons, errors)     # the one decision: they agree by construction
     table = batch.drop_columns([S.TEXT_IDS, S.STOP_TEXT, "finish_reason", ERROR])
     for name, typ, values in (("generated_text", pa.string(), completions), ("reasoning", pa.string(), thoughts),
                               ("finish_reason", pa.string(), reasons), (ERROR, pa.string(), errors)):
         table = table.append_column(pa.field(name, typ), pa.array(values, typ))
     return table
+
+
+def _decode_rows(tokenizer, todo: list[int], text_ids: list, thinking: list[int | None],
+                 reasoning: ReasoningTokens | None, out: tuple[list, list, list]) -> None:
+    """Decode the ``todo`` rows' ids into ``out`` (completions, thoughts, errors), each token once: a
+    reasoning row (``thinking[i]`` tokens of thought) as its answer after the think end (the
+    template's newlines before it dropped) and its thought without the think tags. Bounded by the batch."""
+    completions, thoughts, errors = out
+    answers = [text_ids[i][thinking[i]:] if thinking[i] is not None else text_ids[i] for i in todo]
+    for i, text in zip(todo, _decode_all(tokenizer, answers)):
+        if isinstance(text, Exception):   # a row that cannot be decoded is an error row
+            errors[i] = row_error("detokenization failed", text)
+        else:
+            completions[i] = text if thinking[i] is None else text.lstrip("\n")
+    rows = [i for i in todo if thinking[i] is not None and errors[i] is None]
+    if not rows:
+        return
+    tags = (reasoning.start, reasoning.end)
+    for i, text in zip(rows, _decode_all(tokenizer, [[t for t in text_ids[i][:thinking[i]] if t not in tags]
+                                                      for i in rows])):
+        if isinstance(text, Exception):
+            errors[i] = row_error("detokenization failed", text)
+        else:
+            thoughts[i] = text.strip()
 
 
 def _decode_all(tokenizer, seqs: list[list[int]]) -> list[str | Exception]:
@@ -72,27 +92,9 @@ def _decode_all(tokenizer, seqs: list[list[int]]) -> list[str | Exception]:
 
 
 
-def split_reasoning(completions: list[str | None], ids: list[list[int] | None], reasoning_tokens: list[int | None],
-                    tokens: ReasoningTokens | None, tokenizer) -> list[str | None]:
-    """Split each reasoning row's text (``reasoning_tokens`` not null) at its think end, in place:
-    ``completions[i]`` keeps the answer after it (the template's newlines before it dropped), the
-    returned ``reasoning[i]`` the think block's text without its tags (all of it when the block never
-    closed; the answer is then empty). By token ids where the text was decoded from them (``ids[i]``),
-    by text where it is the engine's stop-string cut. Bounded by the batch's rows."""
-    out: list[str | None] = [None] * len(completions)
-    if tokens is None or tokenizer is None:
-        return out
-    tags = (tokens.start, tokens.end)
-    for i, (text, n) in enumerate(zip(completions, reasoning_tokens)):
-        if n is None or text is None:
-            continue
-        if ids[i] is not None:
-            thought, answer = ids[i][:n], ids[i][n:]
-            out[i] = tokenizer.decode([t for t in thought if t not in tags], skip_special_tokens=True).strip()
-            completions[i] = tokenizer.decode(answer, skip_special_tokens=True).lstrip("\n")
-            continue
-        start, end = (tokenizer.decode([t]) for t in tags)
-        thought, closed, answer = text.partition(end)
-        out[i] = thought.replace(start, "", 1).strip()
-        completions[i] = answer.lstrip("\n") if closed else ""
-    return out
+def _split_text(text: str, tokens: ReasoningTokens, tokenizer) -> tuple[str, str]:
+    """(thought, answer) of a reasoning row's text: the think block without its tags, and what comes
+    after the think end (the template's newlines dropped); a block that never closed is all thought."""
+    start, end = (tokenizer.decode([t]) for t in (tokens.start, tokens.end))
+    thought, closed, answer = text.partition(end)
+    return thought.replace(start, "", 1).strip(), answer.lstrip("\n") if closed else ""
