@@ -163,6 +163,7 @@ def forward_profile(model: OrthrusForCausalLM, sizes: list[int], prefix: int = 2
     for b in sizes:
         engine = OrthrusEngine(model, max_batch_size=b, max_seq_len=prefix + max(tokens) + 1)
         engine.cache.lengths.fill_(prefix)
+        engine.cache.assign_contiguous()          # every slot its own pages (the default pool holds them)
         row: dict[str, float] = {}
         for t in tokens:
             pos = prefix + torch.arange(t, device=dev)[None].expand(b, t)

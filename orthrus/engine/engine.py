@@ -27,9 +27,9 @@ from orthrus.engine.host.request_checks import RequestChecks
 from orthrus.engine.host.requests import Request
 from orthrus.engine.host.scheduler import Scheduler
 from orthrus.engine.host.stop_strings import StopStringScanner
-from orthrus.engine.outputs import EngineStats, EngineStepError, RequestOutput
+from orthrus.engine.outputs import EngineStats, EngineStepError, KVPages, RequestOutput
 from orthrus.model.backends import AttentionBackend
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 from orthrus.params import SamplingParams
 from orthrus.reasoning import ReasoningTokens
@@ -41,12 +41,15 @@ SPECULATIVE_MODES = (True, False, "auto")
 
 
 class OrthrusEngine:
-    """A fixed number of slots over one model and one ragged KV cache allocated up front.
+    """At most ``max_batch_size`` rows in flight over one model and one paged KV cache allocated up front.
 
-    ``max_seq_len`` is the context limit (prompt + generated tokens); the cache holds one extra
-    block per slot as scratch for the draft/verify writes. It defaults to the model's
-    ``max_position_embeddings`` capped at ``DEFAULT_MAX_SEQ_LEN``: the cache is allocated up front
-    for every slot, and a 40k-token context × 32 slots of a 1.7B model would not fit one GPU.
+    ``max_seq_len`` is the context limit (prompt + generated tokens); a row holds one extra block
+    as scratch for the draft/verify writes. It defaults to the model's ``max_position_embeddings``
+    capped at ``DEFAULT_MAX_SEQ_LEN``. ``kv_cache_tokens``: the page pool's size in token positions
+    (at least one row at full length); rows take pages as they grow, share prompt-prefix pages, and
+    the newest rows are preempted (their K/V recomputed later, every token kept) when the pool runs
+    short. None: every slot at full length on a CPU (nothing is ever preempted), what free memory
+    holds on a GPU, capped there (``device/kv_sizing.py``). ``kv_pages`` reports its use.
 
     ``attention``: "sdpa" (masked SDPA over a host-known key bound), "flash" (FlashAttention's
     KV-cache kernel, per-row lengths, no mask) or "auto" (flash where it can run: CUDA, fp16/bf16,
@@ -60,7 +63,7 @@ class OrthrusEngine:
     occupancy; see ``host/policy.py``). ``tokenizer``: needed for requests with stop strings or
     structured output. ``reasoning``: the think tokens whose phases requests are tracked by (True:
     the tokenizer's, if it has any; False: none), for ``RequestOutput.num_reasoning_tokens`` and
-    ``SamplingParams.max_thinking_tokens`` (``orthrus/reasoning.py``). ``prefix_cache``: a prompt that starts like one a slot holds copies that K/V
+    ``SamplingParams.max_thinking_tokens`` (``orthrus/reasoning.py``). ``prefix_cache``: a prompt that starts like one a page or slot holds shares that K/V
     instead of computing it (``host/prefix_cache.py``); lossless; off only to measure it.
 
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
@@ -71,7 +74,7 @@ class OrthrusEngine:
                  attention: str | AttentionBackend = "auto",
                  static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
                  key_bucket: int | None = None, prefix_cache: bool = True,
-                 reasoning: ReasoningTokens | bool = True) -> None:
+                 reasoning: ReasoningTokens | bool = True, kv_cache_tokens: int | None = None) -> None:
         cfg = model.config
         _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
@@ -85,7 +88,7 @@ class OrthrusEngine:
         self.reasoning = _reasoning_tokens(reasoning, tokenizer)
         self.runner = ModelRunner.create(model, max_batch_size, self.block_size, self.max_seq_len, attention,
                                          static_shapes, key_bucket, proposer, len(self.eos_token_ids) + 8,
-                                         self.reasoning.forced if self.reasoning else ())
+                                         self.reasoning.forced if self.reasoning else (), kv_cache_tokens)
         # Read-only copies of the runner's choices (it never changes them), for callers and reports.
         self.device = self.runner.cache.lengths.device
         self.attention = self.runner.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
@@ -95,9 +98,10 @@ class OrthrusEngine:
         grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size,
                                 self.reasoning.end if self.reasoning else None)
         self.checks = RequestChecks(self.vocab_size, self.max_seq_len, tokenizer is not None, grammars)
+        cache = self.runner.cache
         self.scheduler = Scheduler(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size,
                                    self.eos_token_ids, grammars, StopStringScanner(tokenizer) if tokenizer else None,
-                                   prefix_cache, self.static_shapes, speculative)
+                                   prefix_cache, speculative, cache.num_pages, cache.page_size)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
@@ -142,6 +146,12 @@ class OrthrusEngine:
     def num_running(self) -> int:
         """Requests holding a slot."""
         return int(self.scheduler.table.busy_mask.sum())
+
+    @property
+    def kv_pages(self) -> KVPages:
+        """The KV page pool now: its size, pages held by rows, cached prefix pages and the peak held."""
+        pool = self.scheduler.pool
+        return KVPages(pool.page_size, pool.num_pages - 1, pool.in_use, len(pool.cached), pool.peak)
 
     @property
     def stats(self) -> EngineStats:
@@ -217,7 +227,7 @@ class OrthrusEngine:
         return plist
 
     @property
-    def cache(self) -> RaggedKVCache:
+    def cache(self) -> PagedKVCache:
         """The KV cache (plain storage, owned by the runner)."""
         return self.runner.cache
 

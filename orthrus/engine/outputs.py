@@ -93,10 +93,26 @@ class EngineStats:
     busy_slot_iterations: int = 0    # sum over iterations of the slots that decoded in them
     admitting_steps: int = 0         # steps that seated waiting requests (one host→device copy each)
     prefill_tokens: int = 0          # prompt tokens computed by prefills (a shared prompt counts once)
-    prefix_cache_hit_tokens: int = 0  # prompt tokens copied from a slot holding them instead
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V was shared or copied instead
+    page_iterations: int = 0         # sum over iterations of the KV pages rows held in them (mean: / iterations)
+    preemptions: int = 0             # rows that gave their pages back for want of room (recomputed later)
+    recomputed_tokens: int = 0       # K/V positions computed again for preempted rows
 
     def __sub__(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """The KV page pool at one moment (``OrthrusEngine.kv_pages``): ``total`` pages of ``page_size``
+    tokens, ``in_use`` held by rows, ``cached`` held by nobody but kept for their prompt prefix
+    (reused or evicted on demand), and the most ever held at once (``peak``)."""
+
+    page_size: int
+    total: int
+    in_use: int
+    cached: int
+    peak: int

@@ -10,7 +10,7 @@ rows) and the rows that finished at their prefill and only need packing. Shapes:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -55,12 +55,14 @@ class SlotParams:
 
 @dataclass(frozen=True)
 class PromptCopy:
-    """Copy the first ``length`` prompt positions of slot ``src`` into slot ``dst``; ``whole``: the
-    source holds this very prompt (its last hidden state is copied too)."""
+    """From running slot ``src`` to slot ``dst``: copy KV page ``src_page`` into ``dst_page`` (a
+    shared prompt's partial page; -1: none) and, when ``whole`` (``src`` runs this very prompt), the
+    last prompt position's hidden state."""
 
     src: int
     dst: int
-    length: int
+    src_page: int
+    dst_page: int
     whole: bool
 
 
@@ -84,7 +86,9 @@ class StagePlan:
 @dataclass(frozen=True)
 class Admission:
     """Requests seated in ``slots [n]`` this step: prompt lengths, parameters, the prefill stages,
-    and the grammar masks of their first tokens ``first_masks [n, W]`` (None: none is constrained)."""
+    and the grammar masks of their first tokens ``first_masks [n, W]`` (None: none is constrained).
+    The stages also recompute the K/V of ``resumed`` slots (rows preempted for want of pages; their
+    device state was kept, nothing is sampled for them)."""
 
     slots: np.ndarray
     prompt_lens: np.ndarray
@@ -93,6 +97,7 @@ class Admission:
     first_masks: np.ndarray | None
     paths: SamplingPaths
     logprobs: int | None        # top-k width of the first tokens' logprobs (None: no row asked)
+    resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class DraftMasks(Protocol):
@@ -129,16 +134,20 @@ class Iteration:
 
 @dataclass(frozen=True)
 class ScheduledStep:
-    """Everything the device does in one step, in this order: ``kill`` (rows the host ended: aborted,
-    a stop string, a failed grammar), ``admission``, ``iteration``, then pack ``settled`` (rows done
-    at their prefill) beside the iteration's rows in the one read. ``logprobs``: the read's top-k
-    width, the iteration's and the settled rows' (None: no row asked)."""
+    """Everything the device does in one step, in this order: ``pages`` (page-table changes ``[c, 3]``:
+    slot, entry, page), ``kill`` (rows the host ended: aborted, a stop string, a failed grammar),
+    ``admission``, ``iteration``, then pack ``settled`` (rows done at their prefill) beside the
+    iteration's rows in the one read. ``logprobs``: the read's top-k width, the iteration's and the
+    settled rows' (None: no row asked). ``paused``: preempted rows, which hold a slot but no pages
+    and sit the step out (never a static iteration's padding)."""
 
     kill: np.ndarray
     admission: Admission | None
     iteration: Iteration | None
     settled: np.ndarray
     logprobs: int | None
+    pages: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    paused: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def reads(self) -> bool:

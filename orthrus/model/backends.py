@@ -4,12 +4,12 @@ Shape legend
     b   rows in this forward          T   query tokens per row
     H   query heads                   Hk  key/value heads (GQA: H is a multiple of Hk)
     D   head dim                      L   keys attended (kv_len, a host-known bound, or T for dense)
-    B   cache slots                   S   cache capacity per slot
+    B   cache slots                   M   page-table entries per slot (``cache.py``)
 
 The model has one layer loop (``OrthrusModel.forward``); what differs between inference, the plain
 AR forward and training is only the ``Attend`` it is given: a callable
 ``attend(layer_idx, q [b, H, T, D], k, v [b, Hk, T, D], scale) -> [b, H, T, D]`` made once per
-forward. Cached (inference) forwards get theirs from an ``AttentionBackend`` bound to the ragged
+forward. Cached (inference) forwards get theirs from an ``AttentionBackend`` bound to the paged
 cache and a ``BlockBatch``; dense forwards use ``DenseSDPA`` (causal or an explicit mask) and
 training its dual-pass mask (``orthrus_train.training.DualPassAttention``), Attend objects as such.
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from orthrus.model import flash
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PAGE_SIZE, PagedKVCache
 
 
 class Attend(Protocol):
@@ -44,17 +44,18 @@ class Attend(Protocol):
 
 @dataclass(frozen=True)
 class BlockBatch:
-    """Where a forward's tokens sit in the ragged cache and which keys each of them sees."""
+    """Where a forward's tokens sit in the paged cache and which keys each of them sees."""
 
-    slots: torch.Tensor | None  # [b] cache slots; None = all B slots in order (copy-free reads)
+    slots: torch.Tensor | None  # [b] cache slots; None = all B slots in order
     positions: torch.Tensor     # [b, T] absolute positions (consecutive per row), the cache write offsets
     kv_len: int                 # host-known bound on the keys any query sees: max(positions) < kv_len <= S
     causal: bool = True         # False only for the draft block (see the module docstring)
     # Filled once per forward by the backend's ``prepare`` (not per layer): what every layer reads.
     mask: torch.Tensor | None = None         # [b, 1, T, L] bool: key j visible to query t (SDPA)
-    write_slots: torch.Tensor | None = None  # [b] long: the cache slots the block is written to (SDPA)
+    write_index: torch.Tensor | None = None  # [b, T] long: the pool rows the block is written to (SDPA)
+    key_index: torch.Tensor | None = None    # [b, L] long: the pool rows of keys 0 … L-1 (SDPA)
     starts32: torch.Tensor | None = None     # [b] int32: each row's first position (flash)
-    slots32: torch.Tensor | None = None      # [b] int32 or None (flash)
+    pages32: torch.Tensor | None = None      # [b, M] int32: the rows' page tables (flash)
 
     def slot_index(self, num_slots: int) -> torch.Tensor:
         """The slots as a tensor, materialising ``arange(B)`` for the all-slots case."""
@@ -79,21 +80,22 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class AttentionBackend(ABC):
-    """How a cached forward appends its block's K/V to the ragged cache and attends over it."""
+    """How a cached forward appends its block's K/V to the paged cache and attends over it."""
 
     name: ClassVar[str]
+    page_size: ClassVar[int]   # the cache's page size this backend's kernel needs
 
     @abstractmethod
-    def prepare(self, batch: BlockBatch, cache: RaggedKVCache) -> BlockBatch:
+    def prepare(self, batch: BlockBatch, cache: PagedKVCache) -> BlockBatch:
         """``batch`` with the per-forward tensors its ``attend`` reads, made once for all layers."""
 
     @abstractmethod
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cache: RaggedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
+               cache: PagedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
         """Write ``k, v [b, Hk, T, D]`` at the rows' positions, then attend ``q [b, H, T, D]``
         over the visible keys → ``[b, H, T, D]``."""
 
-    def bind(self, batch: BlockBatch, cache: RaggedKVCache) -> Attend:
+    def bind(self, batch: BlockBatch, cache: PagedKVCache) -> Attend:
         """One forward's ``Attend`` over ``cache``: ``batch`` prepared once, shared by every layer."""
         prepared = self.prepare(batch, cache)
 
@@ -105,7 +107,7 @@ class AttentionBackend(ABC):
 
 @dataclass(frozen=True)
 class RaggedSDPA(AttentionBackend):
-    """Scatter the block into the cache, read keys ``< kv_len`` back and run masked SDPA.
+    """Scatter the block into the rows' pages, gather keys ``< kv_len`` back and run masked SDPA.
 
     ``key_bucket`` > 1 rounds the attended key length up to a multiple of it (capped at the cache
     capacity): the extra keys are masked, so no token changes, and the eager GPU path sees a few key
@@ -114,18 +116,21 @@ class RaggedSDPA(AttentionBackend):
 
     key_bucket: int = 1
     name: ClassVar[str] = "sdpa"
+    page_size: ClassVar[int] = PAGE_SIZE
 
-    def prepare(self, batch: BlockBatch, cache: RaggedKVCache) -> BlockBatch:
+    def prepare(self, batch: BlockBatch, cache: PagedKVCache) -> BlockBatch:
         kv_len = batch.kv_len
         if self.key_bucket > 1:
             kv_len = min(-(-kv_len // self.key_bucket) * self.key_bucket, cache.capacity)
+        slots = batch.slot_index(cache.num_slots)
+        keys = torch.arange(kv_len, device=slots.device)[None].expand(slots.shape[0], kv_len)   # [b, L]
         return replace(batch, kv_len=kv_len, mask=visible_keys(batch.positions, batch.causal, kv_len),
-                       write_slots=batch.slot_index(cache.num_slots))
+                       write_index=cache.index(slots, batch.positions), key_index=cache.index(slots, keys))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cache: RaggedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
-        cache.write(layer_idx, batch.write_slots, batch.positions, k, v)
-        k_all, v_all = cache.read(layer_idx, batch.slots, batch.kv_len)          # [b, Hk, L, D]
+               cache: PagedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
+        cache.write(layer_idx, batch.write_index, k, v)
+        k_all, v_all = cache.read(layer_idx, batch.key_index)                    # [b, Hk, L, D]
         return ragged_attention(q, k_all, v_all, batch.mask, scale)
 
 
@@ -136,15 +141,16 @@ class FlashKVCache(AttentionBackend):
 
     kernel: flash.KVCacheKernel   # flash_attn_with_kvcache or a function with its contract
     name: ClassVar[str] = "flash"
+    page_size: ClassVar[int] = flash.PAGE_SIZE
 
-    def prepare(self, batch: BlockBatch, cache: RaggedKVCache) -> BlockBatch:
-        return replace(batch, starts32=batch.positions[:, 0].to(torch.int32),
-                       slots32=None if batch.slots is None else batch.slots.to(torch.int32))
+    def prepare(self, batch: BlockBatch, cache: PagedKVCache) -> BlockBatch:
+        pages = cache.table if batch.slots is None else cache.table[batch.slots]            # [b, M] int32
+        return replace(batch, starts32=batch.positions[:, 0].to(torch.int32), pages32=pages)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cache: RaggedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
+               cache: PagedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
         return flash.kvcache_attention(q, k, v, cache.k[layer_idx], cache.v[layer_idx], batch.starts32,
-                                       batch.slots32, batch.causal, scale, self.kernel)
+                                       batch.pages32, batch.causal, scale, self.kernel)
 
 
 def choose_backend(attention: str, device: torch.device, dtype: torch.dtype, num_heads: int,

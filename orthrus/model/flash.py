@@ -1,23 +1,23 @@
 """FlashAttention's KV-cache kernel: the GPU form of ``backends.ragged_attention`` (docs/design.md §3.2).
 
 Shape legend
-    B   cache slots          b   rows of this forward       T   query tokens per row
+    P   pages in the pool    G   page size (PAGE_SIZE)      M   page-table entries per row
+    b   rows of this forward T   query tokens per row
     H   query heads          Hk  key/value heads            D   head dim
-    S   cache capacity per slot
 
-``flash_attn_with_kvcache(q, k_cache, v_cache, k=, v=, cache_seqlens=n, cache_batch_idx=slots)``
-writes each row's new K/V at ``n[b] … n[b]+T-1`` of cache slot ``slots[b]`` and attends over keys
-``0 … n[b]+T-1`` in one kernel, reading no further than each row's own length: no mask tensor and
-no ``kv_len`` bound, which is what lets the steady-state cycle keep static shapes for CUDA graphs.
+``flash_attn_with_kvcache(q, k_cache, v_cache, k=, v=, cache_seqlens=n, block_table=pages)``
+writes each row's new K/V at positions ``n[b] … n[b]+T-1`` of its pages ``pages[b]`` (position p
+lives in page ``pages[b, p // G]`` at offset ``p % G``) and attends over keys ``0 … n[b]+T-1`` in
+one kernel, reading no further than each row's own length: no mask tensor and no ``kv_len`` bound,
+which is what lets the steady-state cycle keep static shapes for CUDA graphs.
 Its ``causal`` mask is aligned to the bottom-right corner, so with the block at the end of the
 keys it is exactly our rules:
 
     causal=True   (prefill, verify, AR)  query t sees keys j <= n + t
     causal=False  (draft block)          query t sees keys j <  n + T  (whole prefix + whole block)
 
-Layout: our cache stores ``[B, Hk, S, D]`` (SDPA's layout); the kernel wants ``[B, S, Hk, D]`` but
-only requires a contiguous last dim and reads every other stride, so a transposed *view* serves
-both without a copy.
+Layout: the pool is ``[P, G, Hk, D]``, the kernel's own paged layout; flash-attn 2 needs pages of
+a multiple of 256 tokens with a ``block_table`` (``PAGE_SIZE``), and an int32 table.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     _kernel = None
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+PAGE_SIZE = 256   # flash-attn 2's paged KV cache takes pages of a multiple of 256 tokens
 KVCacheKernel = Callable[..., torch.Tensor]
 
 
@@ -52,17 +53,17 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def kvcache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor | None, causal: bool,
+                      v_cache: torch.Tensor, starts: torch.Tensor, pages: torch.Tensor, causal: bool,
                       scale: float, fn: KVCacheKernel) -> torch.Tensor:
     """Append ``k_new, v_new [b, Hk, T, D]`` at ``starts [b]`` and attend ``q [b, H, T, D]`` → ``[b, H, T, D]``.
 
-    ``k_cache, v_cache [B, Hk, S, D]`` are updated in place; ``slots [b]`` picks each row's slot
-    (None: rows are slots 0 … B-1). ``starts`` and ``slots`` are int32 (``FlashKVCache.prepare``).
+    ``k_cache, v_cache [P, G, Hk, D]`` are updated in place; ``pages [b, M]`` are the rows' page
+    tables. ``starts`` and ``pages`` are int32 (``FlashKVCache.prepare``).
     """
     out = fn(q.transpose(1, 2),                                    # [b, T, H, D]
-             k_cache.transpose(1, 2), v_cache.transpose(1, 2),      # [B, S, Hk, D] views, no copy
+             k_cache, v_cache,                                      # [P, G, Hk, D]
              k=k_new.transpose(1, 2), v=v_new.transpose(1, 2),      # [b, T, Hk, D]
-             cache_seqlens=starts, cache_batch_idx=slots,                 # int32, made once per forward
+             cache_seqlens=starts, block_table=pages,               # int32, made once per forward
              softmax_scale=scale, causal=causal)
     return out.transpose(1, 2)                                      # [b, H, T, D]
 
@@ -92,11 +93,12 @@ def probe(fn: KVCacheKernel, device: torch.device, dtype: torch.dtype, heads: in
           head_dim: int) -> str | None:
     """One tiny call of ``fn`` with this model's head layout → None if it ran, else why it failed."""
     try:
-        cache = torch.zeros((1, kv_heads, 16, head_dim), dtype=dtype, device=device)   # [B, Hk, S, D]
+        cache = torch.zeros((2, PAGE_SIZE, kv_heads, head_dim), dtype=dtype, device=device)   # [P, G, Hk, D]
         q = torch.zeros((1, heads, 1, head_dim), dtype=dtype, device=device)
         new = torch.zeros((1, kv_heads, 1, head_dim), dtype=dtype, device=device)
         start = torch.zeros(1, dtype=torch.int32, device=device)
-        kvcache_attention(q, new, new, cache, cache.clone(), start, None, True, head_dim ** -0.5, fn)
+        pages = torch.ones((1, 1), dtype=torch.int32, device=device)
+        kvcache_attention(q, new, new, cache, cache.clone(), start, pages, True, head_dim ** -0.5, fn)
         if device.type == "cuda":
             torch.cuda.synchronize(device)   # an asynchronous kernel error surfaces here, not later
     except Exception as e:  # noqa: BLE001 - any failure means: do not use it

@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from orthrus.model import checkpoint
 from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
 from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.ranges import named_range, ranged
 
 DEFAULT_BLOCK_SIZE = 32
@@ -114,9 +114,9 @@ class OrthrusForCausalLM(PreTrainedModel):
                 getattr(layer.self_attn, name + DIFF_SUFFIX).load_state_dict(
                     getattr(layer.self_attn, name).state_dict())
 
-    def forward_cached(self, input_ids: torch.Tensor, cache: RaggedKVCache, batch: BlockBatch,
+    def forward_cached(self, input_ids: torch.Tensor, cache: PagedKVCache, batch: BlockBatch,
                        diffusion: bool, backend: AttentionBackend) -> torch.Tensor:
-        """Run one view on ``input_ids [b, T]`` over the ragged cache through ``backend`` (which
+        """Run one view on ``input_ids [b, T]`` over the paged cache through ``backend`` (which
         writes the block's K/V and attends) → final hidden ``[b, T, E]``."""
         with ranged("draft_forward" if diffusion else "verify_forward"):     # once per forward: free
             return self.model(input_ids, batch.positions, backend.bind(batch, cache), diffusion)

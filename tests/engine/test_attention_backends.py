@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from orthrus.model.backends import BlockBatch, FlashKVCache, RaggedSDPA, choose_backend, visible_keys
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from support.oracles import reference_flash_attn_with_kvcache
 from support.tiny_models import tiny_model
 
@@ -26,7 +26,10 @@ def test_sdpa_and_flash_backends_agree(causal, slots):
     g = torch.Generator().manual_seed(0)
     caches = []
     for _ in range(2):
-        cache = RaggedKVCache(1, B, HK, S, D, torch.float64, "cpu")
+        cache = PagedKVCache.contiguous(1, B, HK, S, D, torch.float64, "cpu", page_size=4)
+        # scattered pages: slot s's entries are not consecutive pages
+        order = torch.randperm(cache.table.numel(), generator=torch.Generator().manual_seed(3))
+        cache.table.copy_(cache.table.flatten()[order].view_as(cache.table))
         cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g.manual_seed(1), dtype=torch.float64))
         cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g.manual_seed(2), dtype=torch.float64))
         caches.append(cache)
@@ -45,7 +48,7 @@ def test_sdpa_and_flash_backends_agree(causal, slots):
 
 
 def test_key_bucket_is_capped_at_capacity():
-    cache = RaggedKVCache(1, B, HK, S, D, torch.float64, "cpu")
+    cache = PagedKVCache.contiguous(1, B, HK, S, D, torch.float64, "cpu")
     pos = torch.tensor([[20]])
     assert RaggedSDPA(16).prepare(BlockBatch(None, pos, 21), cache).kv_len == S
     assert RaggedSDPA(8).prepare(BlockBatch(None, pos, 9), cache).kv_len == 16
@@ -59,7 +62,7 @@ def test_choose_backend_on_cpu():
 def test_cached_and_dense_forwards_run_the_same_loop():
     model = tiny_model(seed=5)
     ids = torch.randint(0, 60, (2, 7), generator=torch.Generator().manual_seed(3))
-    cache = RaggedKVCache(2, 2, 2, 16, 8, torch.float64, "cpu")
+    cache = PagedKVCache.contiguous(2, 2, 2, 16, 8, torch.float64, "cpu")
     pos = torch.arange(7)[None].expand(2, 7)
     cached = model.forward_cached(ids, cache, BlockBatch(None, pos, 7), diffusion=False, backend=RaggedSDPA())
     torch.testing.assert_close(cached, model.forward_dense(ids))

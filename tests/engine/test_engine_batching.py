@@ -1,4 +1,4 @@
-"""Ragged-batch invariants: per-row seeds, and the ragged cache against a contiguous one."""
+"""Ragged-batch invariants: per-row seeds, and the paged ragged cache against a contiguous one."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.model.backends import ragged_attention, visible_keys
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from support.tiny_models import tiny_model
 
 
@@ -32,20 +32,27 @@ def test_seeded_row_identical_alone_and_in_mixed_batch():
 def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
     torch.manual_seed(0)
     b, hk, h, d, k, cap = 3, 2, 4, 8, 4, 64
-    cache = RaggedKVCache(1, b, hk, cap, d, torch.float64, "cpu")
+    cache = PagedKVCache.contiguous(1, b, hk, cap, d, torch.float64, "cpu", page_size=8)
+    cache.table.copy_(cache.table.flip(0).flip(1))            # pages out of order, across slots
+
+    def write(pos, k_new, v_new):
+        cache.write(0, cache.index(slots, pos), k_new, v_new)
+
+    def read(rows, kv_len):
+        return cache.read(0, cache.index(rows, torch.arange(kv_len)[None].expand(len(rows), kv_len)))
     truth = [[] for _ in range(b)]                            # committed (k, v) per row, position order
     slots = torch.arange(b)
     prompt_lens = torch.tensor([5, 2, 9])
     kv = torch.randn(2, b, hk, int(prompt_lens.max()), d, dtype=torch.float64)
     pos = torch.arange(int(prompt_lens.max()))[None].expand(b, -1)
-    cache.write(0, slots, pos, kv[0], kv[1])
+    write(pos, kv[0], kv[1])
     cache.lengths[:] = prompt_lens
     for i in range(b):
         truth[i] = [(kv[0, i, :, j], kv[1, i, :, j]) for j in range(int(prompt_lens[i]))]
     for accepted in ([0, 3, 1], [2, 0, 3], [3, 3, 0]):       # blocks written, then cropped per row
         block = torch.randn(2, b, hk, k, d, dtype=torch.float64)
         pos = cache.lengths[:, None] + torch.arange(k)[None]
-        cache.write(0, slots, pos, block[0], block[1])
+        write(pos, block[0], block[1])
         for i, acc in enumerate(accepted):
             truth[i] += [(block[0, i, :, j], block[1, i, :, j]) for j in range(acc + 1)]
         cache.lengths += torch.tensor(accepted) + 1
@@ -53,10 +60,10 @@ def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
     q = torch.randn(b, h, k, d, dtype=torch.float64)
     block = torch.randn(2, b, hk, k, d, dtype=torch.float64)
     pos = cache.lengths[:, None] + torch.arange(k)[None]
-    cache.write(0, slots, pos, block[0], block[1])
+    write(pos, block[0], block[1])
     kv_len = int(pos.max()) + 1
     visible = visible_keys(pos, True, kv_len)                 # [b, 1, K, L] causal
-    got = ragged_attention(q, *cache.read(0, None, kv_len), mask=visible, scale=d ** -0.5)
+    got = ragged_attention(q, *read(slots, kv_len), mask=visible, scale=d ** -0.5)
     for i in range(b):
         ks = torch.stack([t[0] for t in truth[i]], 1)         # [Hk, n, D]
         vs = torch.stack([t[1] for t in truth[i]], 1)
@@ -69,5 +76,5 @@ def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
         torch.testing.assert_close(got[i:i + 1], want)
     # the same through a subset read (slot gather path)
     sub = torch.tensor([2, 0])
-    got_sub = ragged_attention(q[sub], *cache.read(0, sub, kv_len), mask=visible[sub], scale=d ** -0.5)
+    got_sub = ragged_attention(q[sub], *read(sub, kv_len), mask=visible[sub], scale=d ** -0.5)
     torch.testing.assert_close(got_sub, got[sub])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
@@ -159,12 +160,14 @@ def test_prompt_shared_across_steps_with_a_running_slot(model, static):
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
-def test_a_freed_slot_lends_its_prompt_only_when_nothing_wrote_there(model, static):
-    """4 samples, 2 slots, all finishing together: the next two reuse the freed slots' prompt (eager)."""
-    prompt = [3, 9, 27, 17, 51]
+def test_finished_rows_lend_their_whole_prompt_pages(model, static):
+    """4 samples of a 37-token prompt (two whole 16-token pages and 5 more), 2 slots, all finishing
+    together: the first two compute it once; the next two find its whole pages cached (static
+    padding writes only the null page) and compute the 5-token tail once."""
+    prompt = [int(t) for t in np.random.default_rng(7).integers(1, 60, 37)]
     params = [SamplingParams(temperature=0.8, max_new_tokens=7, seed=s, stop_token_ids=()) for s in range(4)]
     engine = OrthrusEngine(model, max_batch_size=2, static_shapes=static)
     got = engine.generate([prompt] * 4, params)
-    assert engine.stats.prefill_tokens == len(prompt) * (2 if static else 1)
+    assert engine.stats.prefill_tokens == len(prompt) + 5
     for p, r in zip(params, got):
         assert r.token_ids == OrthrusEngine(model, max_batch_size=1).generate([prompt], p)[0].token_ids

@@ -116,18 +116,20 @@ def test_requests_added_mid_flight_copy_from_running_slots(model):
 
 
 def test_a_forward_that_would_pass_a_slot_is_split(model):
-    """One row resumes at position 40 with a short rest, another computes 50 tokens from 0: padded
-    together they would write past the 60-token slot, so they run as two forwards, still exact."""
+    """One row resumes at position 32 (two whole cached pages of a finished prompt) with a short
+    rest, another computes 50 tokens from 0: padded together they would write past the 60-token
+    slot, so they run as two forwards, still exact."""
     held = PREFIX + [5, 6, 7, 8]
     long_rest = [int(t) for t in np.random.default_rng(4).integers(1, 60, 50)]
     prompts = [held, held[:40] + [9, 10, 11], long_rest]
     params = SamplingParams(max_new_tokens=8)
     engine = OrthrusEngine(model, max_batch_size=3, max_seq_len=56)
-    engine.generate([held], params)                         # slot 0 keeps `held` after it finishes
+    engine.generate([held], params)                         # its whole prompt pages stay cached
     got = [r.token_ids for r in engine.generate(prompts[1:], params)]
     ref = OrthrusEngine(model, max_batch_size=3, max_seq_len=56, prefix_cache=False)
     assert got == [r.token_ids for r in ref.generate(prompts[1:], params)]
-    assert engine.stats.prefix_cache_hit_tokens == 40
+    # whole pages only: the finished row's partial page (positions 32-40) went back to the pool
+    assert engine.stats.prefix_cache_hit_tokens == 32
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from orthrus.model.backends import BlockBatch, RaggedSDPA
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.engine.device.proposer import DiffusionProposer
 from orthrus_train.training import (distill_loss, dual_pass_mask, freeze_all_but_diffusion, sample_anchors,
                               student_pass, teacher_pass)
@@ -44,7 +44,7 @@ def test_training_blocks_equal_inference_drafts():
     train_logits = student_pass(model, tokens, anchors, teacher_pass(model, tokens)[0], k)[0]  # [A, K-1, V]
     proposer = DiffusionProposer(model)
     for i, a in enumerate(anchors[0].tolist()):
-        cache = RaggedKVCache(2, 1, 2, 64, 8, torch.float64, "cpu")
+        cache = PagedKVCache.contiguous(2, 1, 2, 64, 8, torch.float64, "cpu")
         slots = torch.tensor([0])
         if a > 0:
             pos = torch.arange(a)[None]

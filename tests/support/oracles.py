@@ -12,26 +12,28 @@ from scipy.stats import chisquare
 
 
 def reference_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
-                                      cache_batch_idx=None, softmax_scale=None, causal=False):
-    """flash-attn 2's ``flash_attn_with_kvcache`` as its docstring specifies it, row by row.
+                                      block_table=None, softmax_scale=None, causal=False):
+    """flash-attn 2's ``flash_attn_with_kvcache`` with a paged cache, as its docstring specifies it, row by row.
 
-    q ``[b, Tq, H, D]``; k_cache/v_cache ``[B, S, Hk, D]`` (last dim contiguous), updated in place
-    with k/v ``[b, Tq, Hk, D]`` at ``cache_seqlens [b]`` (int32) of slot ``cache_batch_idx [b]``
-    (int32, default 0 … b-1); each row attends keys ``< seqlens + Tq``; causal is bottom-right aligned.
+    q ``[b, Tq, H, D]``; k_cache/v_cache ``[P, G, Hk, D]`` pages (last dim contiguous), updated in
+    place with k/v ``[b, Tq, Hk, D]`` at ``cache_seqlens [b]`` (int32): position p of row r lives in
+    page ``block_table[r, p // G]`` (int32 ``[b, M]``) at offset ``p % G``; each row attends keys
+    ``< seqlens + Tq``; causal is bottom-right aligned.
     """
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache must have a contiguous last dim"
     assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
-    assert cache_batch_idx is None or cache_batch_idx.dtype == torch.int32
+    assert block_table is not None and block_table.dtype == torch.int32 and block_table.shape[0] == q.shape[0]
     b, tq, h, _ = q.shape
-    hk = k_cache.shape[2]
-    slots = torch.arange(b) if cache_batch_idx is None else cache_batch_idx.long()
+    g, hk = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     for r in range(b):
-        slot, n = int(slots[r]), int(cache_seqlens[r])
-        k_cache[slot, n: n + tq] = k[r]
-        v_cache[slot, n: n + tq] = v[r]
-        keys = k_cache[slot, : n + tq].transpose(0, 1).repeat_interleave(h // hk, 0)   # [H, L, D]
-        vals = v_cache[slot, : n + tq].transpose(0, 1).repeat_interleave(h // hk, 0)
+        n = int(cache_seqlens[r])
+        pos = torch.arange(n + tq)
+        pages, offs = block_table[r].long()[pos // g], pos % g
+        k_cache[pages[n:], offs[n:]] = k[r]
+        v_cache[pages[n:], offs[n:]] = v[r]
+        keys = k_cache[pages, offs].transpose(0, 1).repeat_interleave(h // hk, 0)     # [H, L, D]
+        vals = v_cache[pages, offs].transpose(0, 1).repeat_interleave(h // hk, 0)
         scores = q[r].transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale           # [H, Tq, L]
         if causal:
             j, i = torch.arange(n + tq), torch.arange(tq)

@@ -21,7 +21,8 @@ def _ints(xs: list[int]) -> np.ndarray:
 def _stage_arrays(name: str, stage: StagePlan) -> dict[str, np.ndarray]:
     """Host arrays of one stage (its copy, each forward's rows) for the admission's one transfer."""
     whole = [c for c in stage.copies if c.whole]
-    arrays = {f"{name}.src": _ints([c.src for c in stage.copies]), f"{name}.dst": _ints([c.dst for c in stage.copies]),
+    pages = [c for c in stage.copies if c.src_page >= 0]
+    arrays = {f"{name}.src": _ints([c.src_page for c in pages]), f"{name}.dst": _ints([c.dst_page for c in pages]),
               f"{name}.hsrc": _ints([c.src for c in whole]), f"{name}.hdst": _ints([c.dst for c in whole])}
     for j, g in enumerate(stage.forwards):
         tokens = np.zeros((len(g), len(g[0].rest)), dtype=np.int64)            # [u, T], right-padded
@@ -36,8 +37,7 @@ def _device_stage(name: str, stage: StagePlan, d: dict[str, torch.Tensor]) -> Pr
     """The stage on the device, from the views of the one transfer (lengths are host-known)."""
     copy = None
     if stage.copies:
-        copy = PrefixCopy(d[f"{name}.src"], d[f"{name}.dst"], max(c.length for c in stage.copies),
-                          d[f"{name}.hsrc"], d[f"{name}.hdst"])
+        copy = PrefixCopy(d[f"{name}.src"], d[f"{name}.dst"], d[f"{name}.hsrc"], d[f"{name}.hdst"])
     forwards = tuple(RestForward(d[f"{name}.{j}.slots"], d[f"{name}.{j}.tokens"], d[f"{name}.{j}.starts"],
                                  d[f"{name}.{j}.lens"], max(r.start for r in g) + len(g[0].rest))
                      for j, g in enumerate(stage.forwards))

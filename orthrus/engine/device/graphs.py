@@ -13,8 +13,8 @@ so the static path differs from the eager one in three ways only:
   SDPA) sees the host-known bound rounded up to a power of two (``key_bound``), instead of the eager
   path's bound rounded to a multiple of 128: a few graphs per plan, and no iteration reads the whole
   capacity for short rows.
-- state: the engine's ``SlotState`` and cache are allocated once, and the slot indices are copied
-  into a static buffer before each replay. Randomness is counter-based (``rng.py``): no generator
+- state: the engine's ``SlotState``, cache and page table are allocated once, and the slot indices
+  (staged with the step's other indices) are copied into a static buffer before each replay. Randomness is counter-based (``rng.py``): no generator
   state to capture.
 
 The first iteration with a given key runs eagerly (its result is used) and doubles as the warm-up
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from orthrus.engine.step import occupancy_bucket
-from orthrus.engine.transfers import note_transfer
 
 STATIC_MIN_KEYS = 256   # smallest key bound of a static SDPA iteration (fewer graphs for short rows)
 GraphKey = Hashable   # the iteration's plan itself (plan.IterationPlan): every input that shapes the work
@@ -79,7 +78,7 @@ class CycleGraphs:
         self.device = device
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.eager_only: set[GraphKey] = set()
-        self.slot_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # rows -> (host, device)
+        self.slot_buffers: dict[int, torch.Tensor] = {}   # row count -> its static device buffer
         self.capture_failures: list[str] = []   # why a key runs eagerly (reported by jobs/gpu_check)
         self.pool = None
 
@@ -89,22 +88,19 @@ class CycleGraphs:
         self.eager_only.clear()
         self.pool = None
 
-    def _slots(self, padded: np.ndarray) -> torch.Tensor:
-        """Copy the slot indices into the static device buffer of this row count."""
-        n = len(padded)
+    def _slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """Copy the (already staged) slot indices into the static device buffer of this row count:
+        a device-to-device copy, so the step's one host→device transfer carries them."""
+        n = rows.shape[0]
         if n not in self.slot_buffers:
-            host = torch.empty(n, dtype=torch.long, pin_memory=self.capture)
-            self.slot_buffers[n] = (host, torch.empty(n, dtype=torch.long, device=self.device))
-        host, dev = self.slot_buffers[n]
-        host.copy_(torch.from_numpy(padded))
-        # The previous iteration's read-back drained the stream, so the pinned buffer is free again.
-        dev.copy_(host, non_blocking=self.capture)
-        note_transfer()
-        return dev
+            self.slot_buffers[n] = torch.empty(n, dtype=torch.long, device=self.device)
+        buffer = self.slot_buffers[n]
+        buffer.copy_(rows)
+        return buffer
 
-    def run(self, key: GraphKey, padded: np.ndarray, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``fn(slots)`` → packed result, for the static slot buffer holding ``padded``."""
-        slots = self._slots(padded)
+    def run(self, key: GraphKey, rows: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn(slots)`` → packed result, for the static slot buffer holding ``rows`` (on the device)."""
+        slots = self._slots(rows)
         entry = self.graphs.get(key)
         if entry is not None:
             graph, out = entry

@@ -18,7 +18,7 @@ from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.outputs import FinishReason
 from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.ranges import named_range
 from orthrus.sampling import accept, forbid_early_stops, force_reasoning_end, greedy_accept, process, sample
 
@@ -82,6 +82,8 @@ def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: 
     model, cache, st = dev.model, dev.cache, dev.state
     prompt_states(model, cache, dev.backend, st.prompt_hidden, pb.stages)
     slots, row_lens = pb.slots, pb.row_lens
+    if slots.shape[0] == 0:          # only preempted rows' K/V recomputed: nothing to sample (host-known shape)
+        return
     logits = model.logits(st.prompt_hidden[slots])[:, None]                 # [b, 1, V]
     masked = logits if pb.masks is None else constrain(logits, pb.masks[:, None])
     probs = process(_target(masked, st, slots, paths, torch.zeros_like(row_lens)), st.sampling(slots, paths))
@@ -101,15 +103,16 @@ def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: 
     st.first[slots] = first
     st.reason[slots] = reason
     st.alive[slots] = reason == RUNNING
+    cache.drop_dead(slots, st.alive[slots])
 
 
-def _write_offsets(cache: RaggedKVCache, st: SlotState, slots: torch.Tensor) -> torch.Tensor:
+def _write_offsets(cache: PagedKVCache, st: SlotState, slots: torch.Tensor) -> torch.Tensor:
     """Where each row's block goes: its committed length, or 0 for a dead row.
 
     A row that ended near the context limit keeps a length up to ``max_seq_len - 2 + K``; run again
-    as padding of a static batch (``graphs.py``), a block written there would pass the slot's
-    capacity (and, through flash's strided view, land in the next head or slot). Dead rows write
-    into the start of their own slot instead, which nobody reads until a prefill overwrites it.
+    as padding of a static batch (``graphs.py``), a block written there would pass its page table.
+    Dead rows write at position 0 instead, which their table points at the null page
+    (``cache.drop_dead``; a free slot's table is all null): nobody reads it.
     """
     return cache.lengths[slots] * st.alive[slots]
 
@@ -131,6 +134,7 @@ def _commit(dev: DeviceParts, slots: torch.Tensor, emitted: torch.Tensor, n_acc:
     new_reason = torch.where(alive, reason, st.reason[slots])
     st.reason[slots] = new_reason
     st.alive[slots] = alive & (new_reason == RUNNING)
+    cache.drop_dead(slots, st.alive[slots])
     first = st.first[slots]
     st.first.index_fill_(0, slots, -1)
     packed = pack(emitted, n_emit=n_emit, n_acc=n_acc * alive, reason=new_reason, alive=alive, first=first)

@@ -7,7 +7,7 @@ from orthrus.engine.device.proposer import Proposer
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.step import AR, SamplingPaths
 from orthrus.model.backends import AttentionBackend
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
 
@@ -17,7 +17,7 @@ class DeviceParts:
     everything a kernel reads or writes (owned by the ``ModelRunner``)."""
 
     model: OrthrusForCausalLM
-    cache: RaggedKVCache
+    cache: PagedKVCache
     backend: AttentionBackend
     proposer: Proposer
     state: SlotState

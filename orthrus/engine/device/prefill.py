@@ -1,19 +1,21 @@
 """Device side of admission: the prompts' K/V and last hidden states, through the prefix cache.
 
-An admitting step runs one or two *stages*, each a device copy then ragged forwards:
+A row's shared prefix pages are in its page table before the step starts (by reference: nothing
+to copy); an admitting step then runs one or two *stages*, each a device copy then ragged forwards:
 
-    stage 1   copy prefixes from slots that held them before this step (the prefix cache), then
-              one forward over every row that has something to compute: a prompt nobody holds
-              (from position 0) or the rest of a prompt whose prefix was just copied
-    stage 2   copy prefixes from rows stage 1 just computed (rows admitted together that share a
-              prefix: the first computes it, the others copy it), then their rests
+    stage 1   copy partial pages from running slots whose prompts the new rows extend, then one
+              forward over every row that has something to compute: a prompt nobody holds (from
+              position 0), the rest of a prompt whose prefix is shared, or a preempted row's prompt
+              and committed tokens (recomputed)
+    stage 2   the same for rows sharing a prefix with a row stage 1 just computed (rows admitted
+              together that share a prefix: the first computes it, the others share it)
 
-A row whose whole prompt some slot holds copies that slot's last hidden state too and computes
+A row whose whole prompt a running slot holds copies that slot's last hidden state too and computes
 nothing. Every forward is ragged: row i computes tokens ``start[i] … start[i] + len[i] - 1`` at
 their own positions, right-padded to the forward's longest rest; a pad token writes K/V past its
-row's prompt (stale, overwritten by the row's first block) and its output is never read. The host
-plan (``host/admission.py``) splits a stage into more forwards only where one padded forward
-would pass a slot's capacity.
+row's prompt (stale, overwritten by the row's first block, or in the null page past the row's
+pages) and its output is never read. The host plan (``host/admission.py``) splits a stage into
+more forwards only where one padded forward would pass a slot's capacity.
 """
 from __future__ import annotations
 
@@ -22,18 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from orthrus.model.backends import AttentionBackend, BlockBatch
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
 
 @dataclass(frozen=True)
 class PrefixCopy:
-    """Positions ``0 … length-1`` of slots ``src [c]`` into ``dst [c]``; for rows whose whole
-    prompt the source holds, its last hidden state too (``hidden_src [w]`` → ``hidden_dst [w]``)."""
+    """KV pages ``src [c]`` into pages ``dst [c]``; for rows whose whole prompt a running slot
+    holds, its last hidden state too (slots ``hidden_src [w]`` → ``hidden_dst [w]``)."""
 
     src: torch.Tensor
     dst: torch.Tensor
-    length: int
     hidden_src: torch.Tensor
     hidden_dst: torch.Tensor
 
@@ -61,8 +62,9 @@ class PrefillStage:
 @dataclass(frozen=True)
 class PrefillBatch:
     """Rows admitted in one step, on the device (host-planned by ``host/admission.py``):
-    ``slots [b]``, their prompt lengths ``row_lens [b]``, the stages that fill their prompts, and
-    the grammar masks of their first tokens ``masks [b, W]`` int32 (None: no row is constrained)."""
+    ``slots [b]``, their prompt lengths ``row_lens [b]``, the stages that fill their prompts (and
+    recompute preempted rows' K/V), and the grammar masks of their first tokens ``masks [b, W]``
+    int32 (None: no row is constrained)."""
 
     slots: torch.Tensor
     row_lens: torch.Tensor
@@ -70,13 +72,13 @@ class PrefillBatch:
     masks: torch.Tensor | None = None
 
 
-def prompt_states(model: OrthrusForCausalLM, cache: RaggedKVCache, backend: AttentionBackend, hidden: torch.Tensor,
+def prompt_states(model: OrthrusForCausalLM, cache: PagedKVCache, backend: AttentionBackend, hidden: torch.Tensor,
                   stages: tuple[PrefillStage, ...]) -> None:
     """Fill every admitted slot's prompt K/V and ``hidden [B, E]`` (last prompt position), stage by stage."""
     for stage in stages:
         c = stage.copy
         if c is not None:
-            cache.copy_prefix(c.src, c.dst, c.length)
+            cache.copy_pages(c.src, c.dst)
             hidden[c.hidden_dst] = hidden[c.hidden_src]
         for f in stage.forwards:
             u, t = f.tokens.shape

@@ -11,14 +11,14 @@ from typing import Protocol
 import torch
 
 from orthrus.model.backends import AttentionBackend, BlockBatch
-from orthrus.model.cache import RaggedKVCache
+from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
 
 class Proposer(Protocol):
     """Returns proposal logits ``[b, K-1, V]`` for positions ``n+1 … n+K-1`` of each row."""
 
-    def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
+    def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: PagedKVCache,
                 slots: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """``anchor [b]`` sits at ``batch.positions[:, 0]``; ``slots [b]`` are the rows' slots (a test
         proposer maps them to its requests on its side); ``backend`` is the engine's, for proposers
@@ -33,7 +33,7 @@ class DiffusionProposer:
         self.model = model
         self.mask_token_id = model.mask_token_id
 
-    def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: RaggedKVCache,
+    def propose(self, anchor: torch.Tensor, batch: BlockBatch, cache: PagedKVCache,
                 slots: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         k = batch.positions.shape[1]
         block = torch.full((anchor.shape[0], k), self.mask_token_id, dtype=torch.long, device=anchor.device)

@@ -25,7 +25,8 @@ from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.packed import Packed
 from orthrus.engine.step import AR, Iteration, ScheduledStep, StepOutput
 from orthrus.model.backends import AttentionBackend, choose_backend
-from orthrus.model.cache import RaggedKVCache
+from orthrus.engine.device.kv_sizing import check_pool, pool_tokens
+from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
 KEY_BUCKET = 128   # eager GPU attention: key lengths rounded up to a multiple of this (no token changes)
@@ -62,14 +63,15 @@ class ModelRunner:
     @classmethod
     def create(cls, model: OrthrusForCausalLM, num_slots: int, block_size: int, max_seq_len: int,
                attention: str | AttentionBackend, static_shapes: bool | None, key_bucket: int | None,
-               proposer: Proposer | None, stop_width: int, forced_thinking: tuple[int, ...] = ()) -> ModelRunner:
-        """Allocate everything once: the cache (``max_seq_len`` plus one scratch block per slot),
-        the slot state, and the backend ``attention`` names ("auto" | "sdpa" | "flash") or is.
-        ``forced_thinking``: the tokens a spent thinking budget forces (the think end first; () none)."""
+               proposer: Proposer | None, stop_width: int, forced_thinking: tuple[int, ...] = (),
+               kv_cache_tokens: int | None = None) -> ModelRunner:
+        """Allocate everything once: the paged cache (``kv_cache_tokens`` positions in pages of the
+        backend's size, ``kv_sizing.pool_tokens`` when None; each slot addresses ``max_seq_len`` plus
+        one scratch block), the slot state, and the backend ``attention`` names ("auto" | "sdpa" |
+        "flash") or is. ``forced_thinking``: the tokens a spent thinking budget forces (the think
+        end first; () none)."""
         cfg, param = model.config, next(model.parameters())
         device, attn = param.device, model.model.layers[0].self_attn
-        cache = RaggedKVCache(cfg.num_hidden_layers, num_slots, attn.num_kv_heads, max_seq_len + block_size,
-                              attn.head_dim, param.dtype, device)
         if not isinstance(attention, AttentionBackend):
             # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans
             # (cuDNN) are built per shape, and the exact length changes almost every iteration. On a
@@ -77,6 +79,12 @@ class ModelRunner:
             bucket = key_bucket or (KEY_BUCKET if device.type == "cuda" else 1)
             attention = choose_backend(attention, device, param.dtype, attn.num_heads, attn.num_kv_heads,
                                        attn.head_dim, bucket)
+        capacity, page = max_seq_len + block_size, attention.page_size
+        per_token = 2 * cfg.num_hidden_layers * attn.num_kv_heads * attn.head_dim * param.element_size()
+        tokens = kv_cache_tokens if kv_cache_tokens is not None else pool_tokens(num_slots, capacity, page, per_token, device)
+        check_pool(tokens, capacity, page)
+        cache = PagedKVCache(cfg.num_hidden_layers, num_slots, attn.num_kv_heads, attn.head_dim, capacity,
+                             1 + -(-tokens // page), page, param.dtype, device)
         # Static shapes (CUDA graphs) by default on CUDA with either backend: an eager iteration is
         # launch-bound (H200, 1.7B shape: ~30 ms per forward at any B and T), and a replayed one was
         # measured 3.9-4.4x faster in AR steps with SDPA, at 1,056 and at 8,224 keys of capacity
@@ -91,19 +99,25 @@ class ModelRunner:
         pack the settled rows, and read the iteration's rows and the settled ones back in ONE
         transfer (the step's one sync) → the packed rows of ``step.rows``, in that order."""
         it = step.iteration
-        placed = self.plan(it, step.logprobs, step.settled) if it is not None else None
+        sitting_out = np.concatenate([step.settled, step.paused]) if len(step.paused) else step.settled
+        placed = self.plan(it, step.logprobs, sitting_out) if it is not None else None
         plan, rows, where = (placed.plan, placed.rows, placed.where) if placed is not None else (None, None, None)
         eager = plan is not None and (not self.static_shapes or where is None)
-        # One host→device copy for the step's indices (the static path's rows go through the graph's
-        # own buffer): a second copy through the same staging buffer would wait for the first.
+        # One host→device copy for the step's indices (a static iteration's rows then go on into its
+        # graph's buffer on the device): a second copy through the same staging buffer would wait
+        # for the first.
         staged = {"kill": step.kill} if len(step.kill) else {}
-        if eager:
+        if plan is not None:
             staged["rows"] = rows
         if len(step.settled):
             staged["settled"] = step.settled
         if plan is not None and plan.constrained:
             staged["masks"] = to_staged(it.first_masks)
+        if len(step.pages):
+            staged["pages"] = step.pages
         idx = self.index_staging.stage(staged) if staged else {}
+        if "pages" in idx:                      # before anything reads or writes a page this step
+            self.cache.set_entries(idx["pages"])
         if "kill" in idx:
             self.state.alive.index_fill_(0, idx["kill"], False)
         if step.admission is not None:
@@ -150,7 +164,7 @@ class ModelRunner:
             return self.device_iteration(plan, idx["rows"], masks)
         if eager:
             return self.device_iteration(plan, idx["rows"])
-        return self.graphs.run(plan, rows, lambda s: self.device_iteration(plan, s))
+        return self.graphs.run(plan, idx["rows"], lambda s: self.device_iteration(plan, s))
 
     def device_iteration(self, plan: IterationPlan, slots: torch.Tensor,
                          masks: IterationMasks | None = None) -> torch.Tensor:

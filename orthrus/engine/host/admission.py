@@ -1,11 +1,13 @@
 """Admission, host side: which waiting requests get which free slots, and how their prompts are prefilled.
 
-FIFO into free slots. A prompt prefix is computed at most once while some slot holds it (the prefix
-cache, ``prefix_cache.py``): a request whose prompt starts like one a running slot, or a freed slot
-with intact K/V, holds copies those positions and computes only the rest (nothing at all for an
-identical prompt: the n samples of one row); requests admitted in the same step that share a
-prefix compute it once, in the first of the step's two prefill stages (``device/prefill.py``), and
-the others copy it. Every request keeps its own seed and random stream, so its first token is still
+FIFO into free slots, as far as the KV page pool allows (``pages.py``); rows preempted for want of
+pages are seated again first, their prompt and committed tokens recomputed. A prompt prefix is
+computed at most once while some page or slot holds it (the prefix cache, ``prefix_cache.py``): a
+request whose prompt starts with cached pages or like a running slot's prompt takes those pages by
+reference (copying at most one partial page) and computes only the rest (nothing at all for an
+identical running prompt: the n samples of one row); requests admitted in the same step that share
+a prefix compute it once, in the first of the step's two prefill stages (``device/prefill.py``),
+and the others share it. Every request keeps its own seed and random stream, so its first token is still
 its own sample. The result is an :class:`~orthrus.engine.step.Admission`: plain arrays that the
 runner moves to the device in one copy.
 """
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orthrus.engine.host.prefix_cache import PrefixIndex, block_hashes
+from orthrus.engine.host.pages import PagePool
+from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex
 from orthrus.engine.host.requests import Request
 from orthrus.engine.step import PromptCopy, PromptRest, SlotParams, StagePlan
 
@@ -24,14 +27,6 @@ from orthrus.engine.step import PromptCopy, PromptRest, SlotParams, StagePlan
 def admit(waiting: deque[Request], free: np.ndarray) -> list[Request]:
     """Pop as many waiting requests as there are free slots (FIFO); they take ``free`` in order."""
     return [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
-
-
-@dataclass(frozen=True)
-class PromptPlan:
-    """How an admission's prompts get their K/V: the two prefill stages, and the prompt tokens they compute."""
-
-    stages: tuple[StagePlan, StagePlan]
-    computed: int
 
 
 def slot_params(reqs: list[Request], eos_token_ids: tuple[int, ...]) -> SlotParams:
@@ -51,30 +46,108 @@ def slot_params(reqs: list[Request], eos_token_ids: tuple[int, ...]) -> SlotPara
                       greedy=np.asarray([p.greedy for p in ps], dtype=bool))
 
 
-def plan_prompts(slots: np.ndarray, reqs: list[Request], index: PrefixIndex | None, capacity: int) -> PromptPlan:
-    """How each admitted prompt gets its K/V: copied from a slot that held its prefix before this
-    step (stage 1's copy), or from a row computed in stage 1 (stage 2's copy), the rest computed;
-    ``index`` None = no prefix cache (every prompt computed in full). Bounded by the admitted rows."""
-    copies: tuple[list[PromptCopy], list[PromptCopy]] = ([], [])
-    rests: tuple[list[PromptRest], list[PromptRest]] = ([], [])
-    fresh = PrefixIndex(index.block) if index is not None else None   # rows stage 1 computes
-    for r, slot in zip(reqs, slots.tolist()):  # SYNC: none (host numpy)
-        prompt = r.prompt_ids
-        if index is None:
-            rests[0].append(PromptRest(slot, 0, prompt))
-            continue
-        hashes = r.prefix_hashes = block_hashes(prompt, index.block)   # kept: the index adds them after
-        held, new = index.match(prompt, hashes), fresh.match(prompt, hashes)
-        stage, m = (1, new) if new is not None and (held is None or new.length > held.length) else (0, held)
-        if m is not None:
-            copies[stage].append(PromptCopy(m.slot, slot, m.length, m.whole))
-        start = 0 if m is None else m.length
-        if start < len(prompt):
-            rests[stage].append(PromptRest(slot, start, prompt[start:]))
-        if stage == 0:
-            fresh.add(slot, prompt, hashes)
-    stages = tuple(StagePlan(tuple(c), _forward_groups(r, capacity)) for c, r in zip(copies, rests))
-    return PromptPlan(stages, sum(len(r.rest) for rs in rests for r in rs))
+@dataclass(frozen=True)
+class Seat:
+    """A row to give pages and K/V in ``slot``: a new request's prompt (``new``: its first token is
+    sampled after, and an identical running prompt's hidden state may stand in for its last
+    position), or a preempted row's prompt and committed tokens (recomputed, nothing sampled)."""
+
+    slot: int
+    tokens: np.ndarray
+    hashes: list[int]
+    new: bool
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """How the first ``seated`` rows get their K/V (the rest wait: the pool is full): the two
+    prefill stages, and the tokens they compute for new rows and for resumed ones."""
+
+    stages: tuple[StagePlan, StagePlan]
+    seated: int
+    computed: int
+    recomputed: int
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a row's first ``length`` positions come from, in ``stage``: ``shared`` whole pages by
+    reference and, from a running ``holder`` slot, its ``partial`` page copied (-1: none) and with
+    ``whole`` its hidden state."""
+
+    stage: int
+    shared: list[int]
+    length: int
+    holder: int = -1
+    partial: int = -1
+    whole: bool = False
+
+
+class PromptPlanner:
+    """Pages and prefill stages for rows being seated (``pages``/``holders`` None: no prefix cache)."""
+
+    def __init__(self, pool: PagePool, pages: PageIndex | None, holders: PrefixIndex | None, capacity: int,
+                 block: int) -> None:
+        self.pool, self.pages, self.holders, self.capacity, self.block = pool, pages, holders, capacity, block
+
+    def plan(self, seats: list[Seat]) -> PromptPlan:
+        """Take pages for as many ``seats`` as the pool allows, in order; share every prefix some
+        page or running slot holds. Bounded by the seats."""
+        copies: tuple[list[PromptCopy], list[PromptCopy]] = ([], [])
+        rests: tuple[list[PromptRest], list[PromptRest]] = ([], [])
+        fresh = PrefixIndex(self.pool.page_size) if self.holders is not None else None   # rows stage 1 computes
+        seated = computed = recomputed = 0
+        for seat in seats:
+            src = self._source(seat, fresh)
+            need = self.pool.pages_for(len(seat.tokens) + self.block)
+            if need - len(src.shared) > self.pool.available() - sum(p in self.pool.cached for p in src.shared):
+                break
+            self.pool.share(seat.slot, src.shared)
+            self.pool.grow(seat.slot, need)
+            if src.partial >= 0 or src.whole:
+                page = self.pool.slot_pages[seat.slot][len(src.shared)] if src.partial >= 0 else -1
+                copies[src.stage].append(PromptCopy(src.holder, seat.slot, src.partial, page, src.whole))
+            if src.length < len(seat.tokens):
+                rests[src.stage].append(PromptRest(seat.slot, src.length, seat.tokens[src.length:]))
+                computed += (len(seat.tokens) - src.length) * seat.new
+                recomputed += (len(seat.tokens) - src.length) * (not seat.new)
+            if src.stage == 0 and seat.new and fresh is not None:
+                fresh.add(seat.slot, seat.tokens, seat.hashes)
+            seated += 1
+        self._register(seats[:seated])
+        stages = tuple(StagePlan(tuple(c), _forward_groups(r, self.capacity)) for c, r in zip(copies, rests))
+        return PromptPlan(stages, seated, computed, recomputed)
+
+    def _source(self, seat: Seat, fresh: PrefixIndex | None) -> _Source:
+        """The longest prefix of ``seat`` held by cached pages, a running slot (stage 0) or a row this
+        step computes first (stage 1). The last token is computed unless a new row's whole prompt is
+        held (its hidden state is then copied too): a row never writes a page it shares."""
+        n = len(seat.tokens)
+        best = _Source(0, [], 0)
+        if self.pages is None:
+            return best
+        shared = self.pages.match(seat.tokens, seat.hashes, (n - 1) // self.pool.page_size)
+        best = _Source(0, shared, len(shared) * self.pool.page_size)
+        for stage, index in ((0, self.holders), (1, fresh)):
+            m = index.match(seat.tokens, seat.hashes)
+            whole = m is not None and m.whole and seat.new
+            length = 0 if m is None else (n if whole else min(m.length, n - 1))
+            if length > best.length or (whole and not best.whole):
+                held = self.pool.slot_pages[m.slot]
+                full = length // self.pool.page_size
+                partial = held[full] if length % self.pool.page_size else -1
+                best = _Source(stage, held[:full], length, m.slot, partial, whole)
+        return best
+
+    def _register(self, seats: list[Seat]) -> None:
+        """New rows run their prompts, and their whole prompt pages hold those prompts' K/V from this
+        step on (findable by later steps only: this step's forwards fill them)."""
+        if self.pages is None:
+            return
+        for seat in seats:
+            if seat.new:
+                self.holders.add(seat.slot, seat.tokens, seat.hashes)
+                self.pages.add(seat.tokens, seat.hashes, self.pool.slot_pages[seat.slot][: len(seat.tokens) // self.pool.page_size])
 
 
 def _forward_groups(rows: list[PromptRest], capacity: int) -> tuple[tuple[PromptRest, ...], ...]:

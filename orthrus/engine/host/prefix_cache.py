@@ -1,21 +1,22 @@
-"""Prefix cache (host side): which slots hold the K/V of which prompt prefixes.
+"""Prefix cache (host side): which KV pages hold which prompt prefixes, and which running slots
+hold which prompts.
 
-A slot's cache positions below its prompt length hold that prompt's K/V from its prefill until
-something overwrites them: never while its request runs (a block is written at the row's committed
-length, which is at least the prompt length), and not after it finishes either unless a later
-iteration writes there (a static-shape iteration pads with free slots, and a row that died at its
-prefill runs one dead iteration writing at position 0; the engine drops such slots from here). So
-the slots themselves are the cache: a new request whose prompt starts like a prompt some slot holds
-copies those positions' K/V on the device (a copy of ``m`` positions instead of a forward over
-them) and prefills only the rest.
+Two lookups, both keyed like vLLM's: a prompt is cut into pages of ``block`` tokens (the cache's
+page size), each hashed together with the hash of everything before it (a chained hash names a
+whole prefix), so the longest run of shared whole pages is found with one dict probe per page.
 
-Lookup, as vLLM does: a prompt is cut into fixed blocks of ``block`` tokens, each hashed together
-with the hash of everything before it (a chained hash names a whole prefix), so the longest shared
-run of whole blocks is found with one dict probe per block. The match is then checked and extended
-token by token against the holder's prompt (a hash collision can only shorten it, never make a
-wrong copy), up to the whole prompt: an identical prompt also reuses the holder's last hidden state
-and computes nothing (the n samples of one row). Memory: a few integers per block of each held
-prompt, bounded by the slot count.
+- :class:`PageIndex` names *full prompt pages* by their chained hash. A request whose prompt starts
+  with those pages takes them by reference (``pages.py``) and computes only the rest; a page stays
+  findable after its rows finish, until the pool needs it (then it is evicted, least recently
+  released first). Every hit is checked token by token against the page's own tokens: a hash
+  collision can only shorten a match, never share a wrong page.
+- :class:`PrefixIndex` names the *slots* running a prompt. It extends a match token by token past
+  the last whole page: the holder's partial page is copied into a page of the new row (its prompt
+  tail, or all of it for an identical prompt: the n samples of one row), and an identical prompt
+  also reuses the holder's last hidden state and computes nothing.
+
+Shared pages lie wholly below every sharer's first written position (a row writes at its committed
+length, at least its prompt length), so no forward writes a page another row holds.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PREFIX_BLOCK = 16   # tokens per hashed block: the shortest shared prefix worth a lookup
+PREFIX_BLOCK = 16   # tokens per hashed block (the SDPA cache's page size): the shortest shared prefix
 
 
 def block_hashes(prompt: np.ndarray, block: int) -> list[int]:
@@ -52,8 +53,52 @@ class Match:
     whole: bool
 
 
+class PageIndex:
+    """Full prompt pages by chained hash (one page per hash), each with its own tokens."""
+
+    def __init__(self, block: int = PREFIX_BLOCK) -> None:
+        self.block = block
+        self._by_hash: dict[int, int] = {}                       # chained hash -> page
+        self._of_page: dict[int, tuple[int, bytes]] = {}         # page -> (its hash, its tokens)
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._of_page
+
+    def __len__(self) -> int:
+        return len(self._of_page)
+
+    def match(self, prompt: np.ndarray, hashes: list[int], limit: int) -> list[int]:
+        """The pages of the longest run of ``prompt``'s leading whole pages held here (at most ``limit``)."""
+        pages = []
+        for j, h in enumerate(hashes[:limit]):   # chained: a miss at page j means no longer match exists
+            page = self._by_hash.get(h)
+            if page is None or self._of_page[page][1] != prompt[j * self.block: (j + 1) * self.block].tobytes():
+                break
+            pages.append(page)
+        return pages
+
+    def add(self, prompt: np.ndarray, hashes: list[int], pages: list[int]) -> None:
+        """``pages[j]`` holds ``prompt``'s whole page j (for every j < len(pages)); a hash already
+        named keeps its page."""
+        for j, (h, page) in enumerate(zip(hashes, pages)):
+            if h not in self._by_hash and page not in self._of_page:
+                self._by_hash[h] = page
+                self._of_page[page] = (h, prompt[j * self.block: (j + 1) * self.block].tobytes())
+
+    def forget(self, page: int) -> None:
+        """``page`` is about to be reused (evicted). Unknown pages: no-op."""
+        entry = self._of_page.pop(page, None)
+        if entry is not None:
+            del self._by_hash[entry[0]]
+
+    def clear(self) -> None:
+        """Forget every page."""
+        self._by_hash.clear()
+        self._of_page.clear()
+
+
 class PrefixIndex:
-    """Slots whose prompt K/V is intact, findable by prompt prefix."""
+    """Slots running a prompt (its pages held), findable by prompt prefix."""
 
     def __init__(self, block: int = PREFIX_BLOCK) -> None:
         self.block = block
@@ -69,7 +114,7 @@ class PrefixIndex:
         return len(self._prompts)
 
     def add(self, slot: int, prompt: np.ndarray, hashes: list[int] | None = None) -> None:
-        """``slot`` now holds ``prompt``'s K/V (replacing whatever it held)."""
+        """``slot`` now runs ``prompt`` (replacing whatever it ran)."""
         self.remove(slot)
         hashes = block_hashes(prompt, self.block) if hashes is None else hashes
         self._prompts[slot], self._hashes[slot] = prompt, hashes
@@ -78,7 +123,7 @@ class PrefixIndex:
         self._by_prompt.setdefault(prompt.tobytes(), {})[slot] = None
 
     def remove(self, slot: int) -> None:
-        """Forget ``slot`` (its K/V is about to be, or may have been, overwritten). Unknown: no-op."""
+        """Forget ``slot`` (it finished or lost its pages). Unknown: no-op."""
         prompt = self._prompts.pop(slot, None)
         if prompt is None:
             return

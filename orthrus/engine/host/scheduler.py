@@ -15,10 +15,11 @@ from collections import deque
 
 import numpy as np
 
-from orthrus.engine.host.admission import admit, plan_prompts, slot_params
+from orthrus.engine.host.admission import PromptPlanner, Seat, slot_params
 from orthrus.engine.host.grammar import SlotGrammars
+from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.policy import SpeculationPolicy, halving_block_sizes
-from orthrus.engine.host.prefix_cache import PrefixIndex
+from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex, block_hashes
 from orthrus.engine.host.requests import Request
 from orthrus.engine.host.slot_table import SlotTable
 from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
@@ -31,21 +32,31 @@ class Scheduler:
     """Requests, slots and the host bookkeeping of one engine (``capacity``: a slot's cache positions).
 
     ``mode``: True (cycles of ``block_size``), False (AR steps) or "auto" (the policy's choice).
-    ``static_shapes``: the runner pads iterations with free slots (their old prompt K/V is then no
-    longer a prefix-cache source)."""
+    ``num_pages`` KV pages of ``page_size`` tokens (page 0 the null page) back the slots' K/V:
+    before each step every running row gets pages for its committed length plus one block, the
+    newest rows giving theirs back (preempted) when the pool is short (``_make_room``)."""
 
     def __init__(self, num_slots: int, block_size: int, max_seq_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], grammars: SlotGrammars, stops: StopStringScanner | None,
-                 prefix_cache: bool, static_shapes: bool, mode: bool | str) -> None:
+                 prefix_cache: bool, mode: bool | str, num_pages: int, page_size: int) -> None:
         self.num_slots, self.block_size, self.max_seq_len, self.vocab_size = num_slots, block_size, max_seq_len, vocab_size
         self.capacity = max_seq_len + block_size
-        self.eos_token_ids, self.grammars, self.stops, self.static_shapes = eos_token_ids, grammars, stops, static_shapes
+        self.eos_token_ids, self.grammars, self.stops = eos_token_ids, grammars, stops
         self.mode: bool | str = mode
         # The policy outlives requests: costs are a property of this engine on this device,
         # acceptance of this model on this workload.
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
-        # Slots (running, or free with intact K/V) by the prompt prefixes they hold: prefix_cache.py.
-        self.prefix_index = PrefixIndex() if prefix_cache else None
+        # The prefix cache (prefix_cache.py): whole prompt pages by hash, running slots by prompt.
+        self.page_index = PageIndex(page_size) if prefix_cache else None
+        self.prefix_index = PrefixIndex(page_size) if prefix_cache else None
+        index = self.page_index
+        self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size),
+                             indexed=(lambda p: p in index) if index is not None else (lambda p: False),
+                             forget=index.forget if index is not None else (lambda p: None))
+        self.planner = PromptPlanner(self.pool, self.page_index, self.prefix_index, self.capacity, block_size)
+        self.paused: dict[int, Seat] = {}             # preempted slots -> what re-seats them (oldest first)
+        self.order = np.zeros(num_slots, dtype=np.int64)   # when each slot's row was admitted (newest: largest)
+        self._admissions = 0
         self.table = SlotTable(num_slots, block_size, max_seq_len, vocab_size)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}       # every unfinished request, by id
@@ -83,20 +94,26 @@ class Scheduler:
         self._done.clear()
         self._aborted_slots.clear()
         self._ended.clear()
-        if self.prefix_index is not None:
-            self.prefix_index.clear()
+        self.paused.clear()
+        for index in (self.page_index, self.prefix_index):
+            if index is not None:
+                index.clear()
+        self.pool.reset()
         self.table = SlotTable(self.num_slots, self.block_size, self.max_seq_len, self.vocab_size)
         self.grammars.reset()
 
     def schedule(self) -> ScheduledStep:
-        """Decide one step: release aborted slots, seat waiting requests in free slots (FIFO), and
-        plan one iteration over the occupied slots that can still generate."""
+        """Decide one step: release aborted slots, give running rows their pages (preempting the
+        newest if the pool is short), re-seat preempted rows, then seat waiting requests in free
+        slots (FIFO), and plan one iteration over the running slots that can still generate."""
         for slot in self._aborted_slots:
             self._done.append(self._output(slot, FinishReason.ABORT, None))
         kill = np.asarray(self._ended + self._aborted_slots, dtype=np.int64)
         self._ended, self._aborted_slots = [], []
-        adm = self._admit() if self.waiting and not self.table.busy_mask.all() else None
-        slots = self.table.occupied()
+        self._make_room()
+        adm = self._admit() if self.paused or (self.waiting and not self.table.busy_mask.all()) else None
+        paused = np.asarray(list(self.paused), dtype=np.int64)
+        slots = np.setdiff1d(self.table.occupied(), paused)
         remaining = self.table.remaining(slots)
         # (a constrained row's masks need its first token on the host: it sits its first step out;
         # so does one whose grammar failed at admission, which ends at the update)
@@ -105,7 +122,8 @@ class Scheduler:
             settle |= np.isin(slots, list(self.grammars.failed))
         live = slots[~settle]
         it = self._iteration(live, int(remaining.max())) if len(live) else None
-        return ScheduledStep(kill, adm, it, slots[settle], self.table.logprobs.width(slots))
+        return ScheduledStep(kill, adm, it, slots[settle], self.table.logprobs.width(slots), self.pool.take_entries(),
+                             paused)
 
     def _iteration(self, live: np.ndarray, remaining: int) -> Iteration:
         """One cycle or AR step over the ``live`` rows (``remaining``: the most tokens any occupied row may still take)."""
@@ -129,26 +147,72 @@ class Scheduler:
             self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
         return self.policy.choose(occupancy)
 
-    def _admit(self) -> Admission:
-        """Seat waiting requests in free slots (FIFO) and plan their prefill, copying every prompt
-        prefix some slot holds (the prefix cache) instead of computing it."""
+    def _make_room(self) -> None:
+        """Every running row gets pages for its committed length plus one block (what this step may
+        write). When the pool cannot give them, the newest rows are preempted: they give their pages
+        back and keep their slot and device state (sampling position, stop state), to be re-seated
+        (their K/V recomputed) when pages free up. Python runs over rows that need a page or are
+        preempted only (events)."""
+        slots = np.setdiff1d(self.table.occupied(), np.asarray(list(self.paused), dtype=np.int64))
+        if not len(slots):
+            return
+        wanted = [self.pool.pages_for(n + self.block_size) for n in self.table.committed(slots)]
+        need = {s: w - self.pool.owned(s) for s, w in zip(slots.tolist(), wanted)}  # SYNC: none (host numpy)
+        rows = sorted(need, key=lambda s: self.order[s])                     # oldest first
+        # The oldest row always fits: the pool holds one row at full length (checked by the engine).
+        while sum(max(n, 0) for n in need.values()) > self.pool.available() and len(rows) > 1:
+            newest = rows.pop()
+            del need[newest]
+            self._preempt(newest)
+        for slot, n in need.items():
+            if n > 0:
+                self.pool.grow(slot, self.pool.owned(slot) + n)
+
+    def _preempt(self, slot: int) -> None:
+        """Take ``slot``'s pages back; it waits (first in line) to have its K/V recomputed."""
+        n = int(self.table.committed(np.asarray([slot]))[0])
+        req = self.table.requests[slot]
+        tokens = np.concatenate([req.prompt_ids, self.table.generated(slot)[: n - len(req.prompt)]])
+        hashes = block_hashes(tokens, self.pool.page_size) if self.page_index is not None else []
+        self.paused[slot] = Seat(slot, tokens, hashes, new=False)
+        self.paused = dict(sorted(self.paused.items(), key=lambda kv: self.order[kv[0]]))
+        self.pool.release(slot)
+        if self.prefix_index is not None:
+            self.prefix_index.remove(slot)
+        self.stats += EngineStats(preemptions=1)
+
+    def _admit(self) -> Admission | None:
+        """Re-seat preempted rows (oldest first), then seat waiting requests in free slots (FIFO),
+        as far as the page pool allows; plan their prefill, sharing every prompt prefix a page or a
+        running slot holds (the prefix cache) instead of computing it."""
         free = self.table.free_slots()
-        reqs = admit(self.waiting, free)
+        waiting = [self.waiting[i] for i in range(min(len(self.waiting), len(free)))]
+        for r in waiting:
+            if r.prefix_hashes is None:
+                r.prefix_hashes = block_hashes(r.prompt_ids, self.pool.page_size) if self.page_index is not None else []
+        seats = list(self.paused.values()) + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
+                                              for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
+        plan = self.planner.plan(seats)
+        if plan.seated == 0:
+            return None
+        resumed = [s.slot for s in seats[: plan.seated] if not s.new]
+        for slot in resumed:
+            del self.paused[slot]
+        reqs = [self.waiting.popleft() for _ in range(plan.seated - len(resumed))]
         slots = free[: len(reqs)]
         now = time.perf_counter()
-        for r in reqs:
+        for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
             r.admitted = now
+            self._admissions += 1
+            self.order[slot] = self._admissions
         self.table.admit(slots, reqs)
         masks = self.grammars.admit(slots, [r.params.structured for r in reqs], [r.reasoning is not None for r in reqs])
-        prompts = plan_prompts(slots, reqs, self.prefix_index, self.capacity)
-        if self.prefix_index is not None:    # after planning: the plan copies out of these slots' old K/V
-            for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
-                self.prefix_index.add(slot, r.prompt_ids, r.prefix_hashes)
-        held = sum(len(r.prompt) for r in reqs) - prompts.computed
-        self.stats += EngineStats(admitting_steps=1, prefill_tokens=prompts.computed, prefix_cache_hit_tokens=held)
+        held = sum(len(r.prompt) for r in reqs) - plan.computed
+        self.stats += EngineStats(admitting_steps=1, prefill_tokens=plan.computed, prefix_cache_hit_tokens=held,
+                                  recomputed_tokens=plan.recomputed)
         return Admission(slots, np.asarray([len(r.prompt) for r in reqs], dtype=np.int64),
-                         slot_params(reqs, self.eos_token_ids), prompts.stages, masks, self.table.prefill_paths(slots),
-                         self.table.logprobs.width(slots))
+                         slot_params(reqs, self.eos_token_ids), plan.stages, masks, self.table.prefill_paths(slots),
+                         self.table.logprobs.width(slots), np.asarray(resumed, dtype=np.int64))
 
     def update(self, step: ScheduledStep, out: StepOutput) -> list[RequestOutput]:
         """Fold a step's read into the host book → the requests that finished (rows the host ends
@@ -158,7 +222,7 @@ class Scheduler:
             return done
         it, rows = step.iteration, step.rows
         if it is not None:
-            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots))
+            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots), page_iterations=self.pool.in_use)
             self.table.ran_dead[it.slots[~out.packed.alive[: len(it.slots)]]] = True
         rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
         if self.grammars.any(rows):
@@ -194,10 +258,10 @@ class Scheduler:
         lp = self.table.logprobs.release(slot, len(tokens))
         del self.requests[req.request_id]
         self.grammars.release(slot)
-        # A freed slot keeps its prompt's K/V for later requests sharing a prefix of it, unless
-        # something may write there: a static-shape iteration pads with free slots, and a row that
-        # died at its prefill ran one dead iteration, which writes at the start of its slot.
-        if self.prefix_index is not None and (self.static_shapes or self.table.ran_dead[slot]):
+        # Its pages go back (whole prompt pages stay cached for later prompts sharing them).
+        self.pool.release(slot)
+        self.paused.pop(slot, None)
+        if self.prefix_index is not None:
             self.prefix_index.remove(slot)
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, rel.stats, hit.text, lp)

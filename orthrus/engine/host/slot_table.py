@@ -124,10 +124,14 @@ class SlotTable:
         which its prefill sampled and the host has not read yet (every occupied row has one)."""
         return self.limit[slots] - np.maximum(self.count[slots], 1)
 
+    def committed(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens each row has in the KV cache: its prompt and every generated token but the last
+        (the anchor the next iteration writes first); a row admitted this step has its prompt."""
+        return self.prompt_len[slots] + np.maximum(self.count[slots] - 1, 0)
+
     def kv_len(self, slots: np.ndarray) -> int:
         """Host-known bound on keys a block at these slots can see (no device read needed)."""
-        committed = self.prompt_len[slots] + np.maximum(self.count[slots] - 1, 0)
-        return int(committed.max()) + self.width
+        return int(self.committed(slots).max()) + self.width
 
     def record(self, slots: np.ndarray, out: Packed, block_size: int) -> Recorded:
         """Fold one iteration in (``block_size`` 0 = an AR step) → what it did."""
