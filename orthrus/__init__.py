@@ -7,12 +7,13 @@ sampling and speculative acceptance), ``orthrus.params`` (request parameters and
 constraints; their grammar masks live in ``orthrus.engine.host.grammar``). Training lives apart, in ``orthrus_train``.
 """
 from orthrus.constraints import Constraint, ConstraintError
-from orthrus.engine import EngineStats, EngineStepError, FinishReason, GenerationResult, OrthrusEngine, RequestOutput
+from orthrus.engine import (EngineStats, EngineStepError, FinishReason, GenerationResult, KVPages, OrthrusEngine,
+                            RequestOutput)
 from orthrus.engine.host.grammar import check_structured
 from orthrus.metrics import tokens_per_cycle
 from orthrus.model import OrthrusForCausalLM
 from orthrus.params import RowStats, SamplingParams
 from orthrus.reasoning import ReasoningTokens
 
-__all__ = ["Constraint", "ConstraintError", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "OrthrusEngine", "OrthrusForCausalLM",
+__all__ = ["Constraint", "ConstraintError", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "KVPages", "OrthrusEngine", "OrthrusForCausalLM",
            "ReasoningTokens", "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]

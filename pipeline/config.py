@@ -198,15 +198,35 @@ class EngineKwargs(_Section):
         "On GPU replicas (flash or SDPA), pad each decode iteration to static shapes and replay it as a "
         "captured CUDA graph (one launch per iteration instead of thousands). Ignored on CPU."))
     prefix_cache: bool = Field(True, description=(
-        "A prompt that shares leading blocks of tokens with a prompt some slot holds (the n samples of a "
-        "row, a common system prompt) copies that K/V instead of prefilling it again; only the rest is "
-        "computed. Lossless (the copied K/V is what the prefill would compute): false only to measure it. "
-        "summary.json's prefill section and the live metrics count tokens computed and tokens copied."))
+        "A prompt that shares leading whole KV pages of tokens with a prompt the cache holds (the n samples "
+        "of a row, a common system prompt) shares those pages instead of prefilling them again (a running "
+        "row's prompt is also extended token by token); only the rest is computed. Pages of finished rows "
+        "stay cached until the pool needs them. Lossless (the shared K/V is what the prefill would "
+        "compute): false only to measure it. summary.json's prefill section and the live metrics count "
+        "tokens computed and tokens shared."))
+    kv_cache_tokens: int | None = Field(None, ge=1, description=(
+        "Size of each replica's paged KV cache, in token positions (at least one row at full length: "
+        "max_seq_len + block size, in whole pages of 16 tokens, 256 with flash). Rows take pages as they "
+        "grow, so with rows shorter than max_seq_len more rows fit than max_batch_size x max_seq_len "
+        "would suggest: raise max_batch_size (the cap on rows in flight) to use it. When the pool runs "
+        "short the newest rows are preempted and their K/V recomputed later, every token kept. None: "
+        "every slot at full length on CPU (never preempts); on GPU what 90% of free memory holds after "
+        "the model, less 2 GiB, capped at that."))
 
     @model_validator(mode="after")
     def _flash_needs_half_precision(self) -> "EngineKwargs":
         if self.attention == "flash" and self.dtype == "float32":
             raise ValueError("attention='flash' needs dtype bfloat16, float16 or auto, not float32")
+        return self
+
+    @model_validator(mode="after")
+    def _pool_holds_one_row(self) -> "EngineKwargs":
+        # Checkable here only when both sizes are set (else they come from the model, and the engine checks).
+        if self.kv_cache_tokens is not None and self.max_seq_len is not None and self.block_size is not None:
+            need = self.max_seq_len + self.block_size
+            if self.kv_cache_tokens < need:
+                raise ValueError(f"kv_cache_tokens must hold one row at full length (max_seq_len + block_size "
+                                 f"= {need}), got {self.kv_cache_tokens}")
         return self
 
 

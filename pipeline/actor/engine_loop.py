@@ -79,7 +79,8 @@ class EngineLoop:
 
     def occupancy(self) -> EngineSnapshot:
         """A snapshot of the main engine's counters (racy reads are fine for statistics)."""
-        return EngineSnapshot(self.engine.stats, self.engine.max_batch_size, int(self._engine_seconds * 1000))
+        return EngineSnapshot(self.engine.stats, self.engine.max_batch_size, int(self._engine_seconds * 1000),
+                              self.engine.kv_pages)
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams],
                   exclusive: bool = False, engine: str = MAIN) -> list[RequestOutput]:

@@ -14,8 +14,11 @@ updates them when a batch is done, from the rows it is about to return, tagged w
     orthrus_draft_acceptance                   accepted / proposed drafts, this actor so far (gauge)
     orthrus_slot_occupancy                     busy slots / slots since the previous batch ended (gauge)
     orthrus_prefill_tokens                     prompt tokens computed by prefills (counter)
-    orthrus_prefix_cache_hit_tokens            prompt tokens copied from a slot holding them instead (counter)
+    orthrus_prefix_cache_hit_tokens            prompt tokens shared from cached pages or a running slot instead (counter)
     orthrus_prefix_cache_hit_rate              hit / (hit + computed) prompt tokens, this actor so far (gauge)
+    orthrus_kv_pages_in_use, orthrus_kv_pages_peak
+                                               KV pages held by rows at the batch's end, and the most so far (gauges)
+    orthrus_preemptions                        rows preempted for want of KV pages (counter)
     orthrus_audit_rows{result=match|diverged}  rows re-decoded by the lossless audit (counter)
 """
 from __future__ import annotations
@@ -58,9 +61,12 @@ class ActorMetrics:
         self.occupancy = gauge("orthrus_slot_occupancy", "Busy engine slots / slots since the previous batch.")
         self.prefill = counter("orthrus_prefill_tokens", "Prompt tokens computed by prefills.")
         self.hits = counter("orthrus_prefix_cache_hit_tokens",
-                            "Prompt tokens copied from a slot holding them instead of prefilled.")
+                            "Prompt tokens shared from cached KV pages or a running slot instead of prefilled.")
         self.hit_rate = gauge("orthrus_prefix_cache_hit_rate",
                               "Prefix-cache hit / (hit + computed) prompt tokens, this actor so far.")
+        self.kv_in_use = gauge("orthrus_kv_pages_in_use", "KV cache pages held by rows at the batch's end.")
+        self.kv_peak = gauge("orthrus_kv_pages_peak", "The most KV cache pages rows held at once, so far.")
+        self.preemptions = counter("orthrus_preemptions", "Rows preempted for want of KV pages (recomputed later).")
         self._totals = [0, 0, 0]            # cycles, drafts, accepted (this actor)
         self._last: tuple[int, int] | None = None   # (iterations, busy slot-iterations) at the last record
 
@@ -94,9 +100,13 @@ class ActorMetrics:
             busy, iterations = now.busy_slot_iterations - start[1], now.iterations - start[0]
             self.occupancy.set(busy / (iterations * engine.slots))
         self._last = (now.iterations, now.busy_slot_iterations)
-        for metric, value in ((self.prefill, since.prefill_tokens), (self.hits, since.prefix_cache_hit_tokens)):
+        for metric, value in ((self.prefill, since.prefill_tokens), (self.hits, since.prefix_cache_hit_tokens),
+                              (self.preemptions, since.preemptions)):
             if value:
                 metric.inc(value)
+        if engine.kv is not None:
+            self.kv_in_use.set(engine.kv.in_use)
+            self.kv_peak.set(engine.kv.peak)
         rate = prefix_cache_hit_rate(now.prefill_tokens, now.prefix_cache_hit_tokens)
         if rate is not None:
             self.hit_rate.set(rate)

@@ -5,7 +5,8 @@ reaches the record, the footers and the driver with no edit here.
 ``occupancy``: the counters (every ``EngineStats`` field, plus ``engine_ms``, the wall time inside
 engine steps) when the batch arrived and when it ended, and the engine's slots. ``since``: the
 counters' growth since the actor's previous batch record (per-actor deltas, so records add up;
-the part footers' prefill aggregate is summed from it, ``output/stats.py``).
+the part footers' engine aggregate is summed from it, ``output/stats.py``). ``kv_pages``: the KV
+page pool at the batch's end (``orthrus.KVPages``; its peak is the most pages the engine held).
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
 
-from orthrus import EngineStats
+from orthrus import EngineStats, KVPages
 
 STATS = pa.struct([pa.field(f.name, pa.int64()) for f in fields(EngineStats)])
+KV_PAGES = pa.struct([pa.field(f.name, pa.int64()) for f in fields(KVPages)])
 COUNTERS = pa.struct([*STATS, pa.field("engine_ms", pa.int64())])
 OCCUPANCY = pa.struct([pa.field("slots", pa.int64()), pa.field("arrival", COUNTERS), pa.field("end", COUNTERS)])
 BATCH_RECORD = pa.struct([
@@ -25,6 +27,7 @@ BATCH_RECORD = pa.struct([
     pa.field("started", pa.float64()),         # wall clock (epoch s) at which the actor got the batch
     pa.field("occupancy", OCCUPANCY),          # null: no engine counters (a stand-in stage)
     pa.field("since", STATS),                  # null: no engine counters
+    pa.field("kv_pages", KV_PAGES),            # the page pool at the batch's end; null: no engine
 ])
 
 
@@ -35,6 +38,7 @@ class EngineSnapshot:
     stats: EngineStats
     slots: int
     engine_ms: int               # wall time spent inside engine steps (the actor's busy time)
+    kv: KVPages | None = None    # the KV page pool now
 
     def counters(self) -> dict:
         """As a :data:`COUNTERS` struct value."""

@@ -84,7 +84,7 @@ class GenerationStage:
         model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device),
                                                    device=self.device)
         self.tokenizer = load_tokenizer(model_dir)   # before the engines: they detect stop strings
-        self.engine = self._engine(model, plan.engine.max_batch_size, plan.engine.speculative)
+        self.engine = self._engine(model, plan.engine.max_batch_size, plan.engine.speculative, plan.engine.kv_cache_tokens)
         # The audit engine: plain AR on the same weights, its own (small) KV cache, same loop thread.
         audit = self._engine(model, plan.audit.max_batch_size, False) if plan.audit.fraction > 0 else None
         self.eos_ids = frozenset(self.engine.eos_token_ids)
@@ -97,11 +97,13 @@ class GenerationStage:
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
 
-    def _engine(self, model: OrthrusForCausalLM, slots: int, speculative: bool | str) -> OrthrusEngine:
+    def _engine(self, model: OrthrusForCausalLM, slots: int, speculative: bool | str,
+                kv_cache_tokens: int | None = None) -> OrthrusEngine:
         e = self.plan.engine
         return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
-                             speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache)
+                             speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache,
+                             kv_cache_tokens=kv_cache_tokens)
 
     async def _before_batch(self) -> None:
         """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""
@@ -248,7 +250,8 @@ class GenerationStage:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
                   "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
-                  "occupancy": occupancy_record(*occupancy), "since": asdict(since)}
+                  "occupancy": occupancy_record(*occupancy), "since": asdict(since),
+                  "kv_pages": None if occupancy[1].kv is None else asdict(occupancy[1].kv)}
         # One record per batch, on its first row: the driver reads the few non-null ones.
         return table.append_column(pa.field(S.BATCH, BATCH_RECORD),
                                    pa.array(([record] + [None] * (n - 1)) if n else [], BATCH_RECORD))

@@ -26,8 +26,13 @@ _SUMS = ("num_prompt_tokens", "num_completion_tokens", "num_tokens_after_stop", 
          "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "num_reasoning_tokens",
          "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens")
 TIME_COLUMNS = ("time_waiting_s", "time_in_engine_s")
-# The footers' prefill aggregate: its key -> the engine counter (``EngineStats``) the batch records' ``since`` holds.
-PREFILL_FROM = {"computed_tokens": "prefill_tokens", "prefix_cache_hit_tokens": "prefix_cache_hit_tokens"}
+# The footers' engine aggregate (kept under "prefill"): its key -> the engine counter (``EngineStats``)
+# the batch records' ``since`` holds, summed; then the KV page pool's figures, the largest kept.
+PREFILL_FROM = {"computed_tokens": "prefill_tokens", "prefix_cache_hit_tokens": "prefix_cache_hit_tokens",
+                "iterations": "iterations", "busy_slot_iterations": "busy_slot_iterations",
+                "page_iterations": "page_iterations", "preemptions": "preemptions",
+                "recomputed_tokens": "recomputed_tokens"}
+KV_MAX_FROM = {"kv_page_size": "page_size", "kv_pages": "total", "kv_pages_peak": "peak"}
 PREFILL_FIELDS = tuple(PREFILL_FROM)
 
 
@@ -115,20 +120,33 @@ def _audit(table: pa.Table) -> dict:
 
 
 def prefill_of_block(block: pa.Table) -> dict | None:
-    """The prefill counts (:data:`PREFILL_FROM`) summed over a block's batch records; None when no
-    record carries engine counters (a stand-in stage)."""
+    """The engine counts (:data:`PREFILL_FROM`) summed over a block's batch records, and the page
+    pool's size and peak (:data:`KV_MAX_FROM`, the largest); None when no record carries engine
+    counters (a stand-in stage)."""
     if S.BATCH not in block.column_names or "since" not in block[S.BATCH].type.names:
         return None
     since = pc.struct_field(block[S.BATCH], "since")
     if not pc.count(since).as_py():
         return None
-    return {key: _sum(pc.struct_field(since, counter)) for key, counter in PREFILL_FROM.items()}
+    out = {key: _sum(pc.struct_field(since, counter)) for key, counter in PREFILL_FROM.items()}
+    if "kv_pages" in block[S.BATCH].type.names:
+        kv = pc.struct_field(block[S.BATCH], "kv_pages")
+        out.update({key: pc.max(pc.struct_field(kv, f)).as_py() for key, f in KV_MAX_FROM.items()})
+    return out
 
 
 def _add_prefill(a: dict | None, b: dict | None) -> dict | None:
+    """Two engine aggregates: counts add, pool figures keep the largest (keys a footer lacks: absent)."""
     if a is None or b is None:
         return a or b
-    return {name: a[name] + b[name] for name in PREFILL_FIELDS}
+    out = {}
+    for name in a.keys() | b.keys():
+        x, y = a.get(name), b.get(name)
+        if name in KV_MAX_FROM:
+            out[name] = max((v for v in (x, y) if v is not None), default=None)
+        else:
+            out[name] = (x or 0) + (y or 0)
+    return out
 
 
 def of_table(table: pa.Table, prefill: dict | None = None) -> dict:

@@ -37,12 +37,25 @@ def package_versions() -> dict[str, str | None]:
 
 
 def _prefill(prefill: dict | None) -> dict:
-    """``summary.json["prefill"]``: the engines' prompt tokens computed and copied (None: unknown)."""
+    """``summary.json["prefill"]``: the engines' prompt tokens computed and shared (None: unknown)."""
     if prefill is None:
         return {"computed_tokens": None, "prefix_cache_hit_tokens": None, "prefix_cache_hit_rate": None}
     computed, hits = prefill["computed_tokens"], prefill["prefix_cache_hit_tokens"]
     return {"computed_tokens": computed, "prefix_cache_hit_tokens": hits,
             "prefix_cache_hit_rate": prefix_cache_hit_rate(computed, hits)}
+
+
+def _kv_cache(engine: dict | None) -> dict:
+    """``summary.json["kv_cache"]``: the engines' page pool (None: unknown, e.g. parts written before paging)."""
+    keys = ("page_size", "pages", "pages_in_use_mean", "pages_in_use_peak", "rows_in_flight_mean", "preemptions",
+            "recomputed_tokens")
+    if engine is None or engine.get("kv_pages") is None:
+        return dict.fromkeys(keys)
+    iterations = engine.get("iterations") or 0
+    mean = (lambda n: round(n / iterations, 2) if iterations else None)   # noqa: E731
+    return dict(zip(keys, (engine["kv_page_size"], engine["kv_pages"], mean(engine.get("page_iterations", 0)),
+                           engine["kv_pages_peak"], mean(engine.get("busy_slot_iterations", 0)),
+                           engine.get("preemptions", 0), engine.get("recomputed_tokens", 0))))
 
 
 def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
@@ -63,9 +76,11 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
                    # reasoning rows' thinking (up to and including the think end) and the rest
                    "reasoning": sums.get("num_reasoning_tokens", 0),
                    "answer": sums["num_completion_tokens"] - sums.get("num_reasoning_tokens", 0)},
-        # prompt tokens the generation engines prefilled and copied from a slot holding them (the
+        # prompt tokens the generation engines prefilled and shared from pages or slots holding them (the
         # prefix cache), summed over the batches committed in data/ (engine work: retries included)
         "prefill": _prefill(total.get("prefill")),
+        # the paged KV cache per engine: pages held (mean over iterations, peak), rows in flight, preemptions
+        "kv_cache": _kv_cache(total.get("prefill")),
         "speculation": {
             # rows whose only token came from their prefill (max_new_tokens 1, or EOS at once): no cycle
             "rows_ended_at_prefill": ok - spec["spec_rows"],
@@ -172,11 +187,20 @@ def _sig3(x: float | None) -> str:
     return format(x, f",.{max(0, 2 - math.floor(math.log10(abs(x))))}f")
 
 
+def _kv_line(kv: dict | None) -> list[str]:
+    if not kv or kv.get("pages") is None:
+        return []
+    return [f"  kv cache       {_fmt(kv['pages_in_use_mean'], ',.0f')} pages held on average, peak "
+            f"{kv['pages_in_use_peak']:,} of {kv['pages']:,} ({kv['page_size']} tokens each); "
+            f"{_fmt(kv['rows_in_flight_mean'], '.1f')} rows in flight; {kv['preemptions']:,} preemptions "
+            f"({kv['recomputed_tokens']:,} tokens recomputed)"]
+
+
 def _prefill_line(prefill: dict | None) -> list[str]:
     if not prefill or prefill["computed_tokens"] is None:
         return []
     return [f"  prefill        {prefill['computed_tokens']:,} prompt tokens computed, "
-            f"{prefill['prefix_cache_hit_tokens']:,} copied by the prefix cache "
+            f"{prefill['prefix_cache_hit_tokens']:,} shared by the prefix cache "
             f"({_fmt(prefill['prefix_cache_hit_rate'] and 100 * prefill['prefix_cache_hit_rate'], '.0f')}% hits)"]
 
 
@@ -206,6 +230,7 @@ def render_table(summary: dict, where: str) -> str:
         f"  rows           {rows['total']} ({rows['ok']} ok, {rows['error']} error; {reasons})",
         f"  tokens         prompt {tok['prompt']:,}  completion {tok['completion']:,}",
         *_prefill_line(summary.get("prefill")),
+        *_kv_line(summary.get("kv_cache")),
         f"  this run       {run['rows_generated']} rows, {run['completion_tokens']:,} tokens in "
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",

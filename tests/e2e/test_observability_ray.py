@@ -104,7 +104,14 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     computed, hits = prefill["computed_tokens"], prefill["prefix_cache_hit_tokens"]
     assert computed > 0 and hits > 0 and computed + hits == sum(r["num_prompt_tokens"] for r in rows)
     assert prefill["prefix_cache_hit_rate"] == pytest.approx(hits / (computed + hits))
-    assert f"prefill        {computed:,} prompt tokens computed, {hits:,} copied by the prefix cache" in proc.stdout
+    assert f"prefill        {computed:,} prompt tokens computed, {hits:,} shared by the prefix cache" in proc.stdout
+
+    # the paged KV cache: each engine's pool (4 slots at full length by default on CPU), pages held, rows in flight
+    kv = summary["kv_cache"]
+    assert kv["page_size"] == 16 and kv["pages"] % 4 == 0 and 0 < kv["pages_in_use_peak"] <= kv["pages"]
+    assert 0 < kv["pages_in_use_mean"] <= kv["pages_in_use_peak"] and 0 < kv["rows_in_flight_mean"] <= 4
+    assert kv["preemptions"] == 0 and kv["recomputed_tokens"] == 0
+    assert f"peak {kv['pages_in_use_peak']:,} of {kv['pages']:,} (16 tokens each)" in proc.stdout
 
     # one progress display: our lines, no Ray Data operator bars
     assert "[orthrus] progress 24/24 rows (100.0%)" in proc.stdout
@@ -124,6 +131,8 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     assert got["ray_orthrus_prefill_tokens_total"][""] == computed
     assert got["ray_orthrus_prefix_cache_hit_tokens_total"][""] == hits
     assert 0 < got["ray_orthrus_prefix_cache_hit_rate"][""] <= 2.0     # two actors' gauges, summed
+    assert 0 < got["ray_orthrus_kv_pages_peak"][""] <= 2 * kv["pages_in_use_peak"]
+    assert "ray_orthrus_kv_pages_in_use" in got
 
 
 def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tmp_path):

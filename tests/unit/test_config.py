@@ -53,6 +53,8 @@ def test_defaults_and_overrides(tmp_path):
     ("engine", {"attention": "xformers"}, "engine.attention"),
     ("engine", {"attention": "flash", "dtype": "float32"}, "engine"),
     ("engine", {"prefix_cache": "x"}, "engine.prefix_cache"),
+    ("engine", {"kv_cache_tokens": 0}, "engine.kv_cache_tokens"),
+    ("engine", {"kv_cache_tokens": 100, "max_seq_len": 128, "block_size": 4}, "engine"),
     ("prompt", {"chat_template": "maybe"}, "prompt.chat_template"),
     ("resources", {"cpus_per_replica": 0}, "resources.cpus_per_replica"),
     ("behaviour", {"resume": True, "overwrite": True}, "behaviour"),

@@ -238,10 +238,12 @@ def test_progress_bar_on_a_terminal():
     assert "8/8" in stream.getvalue() and "99 tok/s" in stream.getvalue()
 
 
-def test_summary_table_shows_audit_cost_and_prefill():
+def test_summary_table_shows_audit_cost_prefill_and_kv_cache():
     summary = {"rows": {"total": 2, "ok": 2, "error": 0, "finish_reason": {"length": 2}},
                "tokens": {"prompt": 4, "completion": 20},
                "prefill": {"computed_tokens": 3000, "prefix_cache_hit_tokens": 1000, "prefix_cache_hit_rate": 0.25},
+               "kv_cache": {"page_size": 16, "pages": 512, "pages_in_use_mean": 120.5, "pages_in_use_peak": 300,
+                            "rows_in_flight_mean": 7.5, "preemptions": 3, "recomputed_tokens": 1200},
                "speculation": {"tokens_per_cycle": {"mean_per_row": 2.0, "token_weighted": 2.0, "pooled": 2.0,
                                                     "tpf_pooled": 1.0},
                                "accepted_draft_tokens": 5, "draft_tokens": 10, "draft_acceptance_rate": 0.5,
@@ -256,10 +258,13 @@ def test_summary_table_shows_audit_cost_and_prefill():
     assert "audit          2 greedy rows re-decoded with plain AR: 1 exact, 1 diverged (first differing token at " \
            "index 4..4, median 4)" in text
     assert "cost           20 GPU-seconds held (8 busy) = 3,600 tokens per GPU-hour" in text
-    assert "prefill        3,000 prompt tokens computed, 1,000 copied by the prefix cache (25% hits)" in text
+    assert "prefill        3,000 prompt tokens computed, 1,000 shared by the prefix cache (25% hits)" in text
+    assert ("kv cache       120 pages held on average, peak 300 of 512 (16 tokens each); 7.5 rows in flight; "
+            "3 preemptions (1,200 tokens recomputed)") in text
     unknown = {**summary, "prefill": {"computed_tokens": None, "prefix_cache_hit_tokens": None,
-                                      "prefix_cache_hit_rate": None}}   # parts written without the counts
-    assert "prefill " not in render_table(unknown, "out")
+                                      "prefix_cache_hit_rate": None},   # parts written without the counts
+               "kv_cache": {"pages": None}}
+    assert "prefill " not in render_table(unknown, "out") and "kv cache" not in render_table(unknown, "out")
 
 
 def test_an_exclusive_group_runs_alone_on_the_device_audit_engine_included(tiny_orthrus_dir):
