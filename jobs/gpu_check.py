@@ -15,6 +15,7 @@ a run stopped early still returns what it measured; bench steps also write ``ben
 |----------------------------|---------------------------------------------------------------|--------------|
 | sdpa_backends              | SDPA flags, priority; the backend the engine's shapes get     |  5           |
 | fp32_graphs_vs_eager       | fp32 bundled model: CUDA graphs vs eager, token for token     | 30           |
+| paged_preemption           | fp32, graphs: a KV pool of ~1 row (preemption) vs a roomy one | 20           |
 | bf16_speculative_vs_ar     | what the job's lossless audit reports on a bf16 run           | 15           |
 | bf16_flash_graphs_vs_eager | flash + graphs vs eager SDPA (with flash-attn only)           | 20           |
 | sync_debug                 | one decode iteration under ``set_sync_debug_mode("warn")``    | 10           |
@@ -55,7 +56,7 @@ from orthrus.model import flash
 # Per device: exactness prompts and new tokens; bench batch sizes, new tokens, timed repetitions.
 SIZES = {"cuda": {"n": 24, "max_new": 64, "batch_sizes": (1, 8, 32, 128), "bench_new": 64, "reps": 2},
          "cpu": {"n": 10, "max_new": 12, "batch_sizes": (1, 2), "bench_new": 8, "reps": 1}}
-ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "bf16_speculative_vs_ar": 15,
+ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "paged_preemption": 20, "bf16_speculative_vs_ar": 15,
               "bf16_flash_graphs_vs_eager": 20, "sync_debug": 10, "bench_model": 40, "bench_forward_profile": 20,
               "bench_b1": 30, "bench_b8": 40, "bench_b32": 45, "bench_b128": 70,
               "bench_eager_b1": 30, "bench_eager_b8": 30, "bench_plot": 5}
@@ -102,6 +103,29 @@ def fp32_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> 
         got, graphs[name] = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)  # forced
         report[f"fp32_{name}_graphs_vs_eager"] = _agreement(got, eager)
     return {**report, "cuda_graphs": graphs}
+
+
+def paged_preemption(model_dir: str, prompts, device: str, max_new: int) -> dict:
+    """The paged KV cache under pressure, float32 with graphs: a pool of one row at full length plus
+    a page, so rows are preempted and their K/V recomputed, vs the default pool (every slot at full
+    length), greedy and seeded sampling; rows equal, and how many preemptions it took."""
+    model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
+    max_seq_len = max(map(len, prompts)) + max_new + 1
+    report = {}
+    for name, params in (("greedy", SamplingParams(temperature=0.0, max_new_tokens=max_new, min_tokens=max_new)),
+                         ("sampled", [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=max_new,
+                                                     min_tokens=max_new, seed=i) for i in range(len(prompts))])):
+        outs = {}
+        for pool in ("roomy", "tight"):
+            engine = OrthrusEngine(model, max_batch_size=8, max_seq_len=max_seq_len, attention="sdpa",
+                                   static_shapes=True, kv_cache_tokens=None if pool == "roomy" else
+                                   -(-(max_seq_len + model.block_size) // 16) * 16 + 16)
+            outs[pool] = ([r.token_ids for r in engine.generate(prompts, params)], engine.stats, engine.kv_pages)
+        report[f"fp32_{name}_tight_vs_roomy"] = _agreement(outs["tight"][0], outs["roomy"][0])
+        report[f"{name}_preemptions"] = outs["tight"][1].preemptions
+        report[f"{name}_recomputed_tokens"] = outs["tight"][1].recomputed_tokens
+        report[f"{name}_tight_pages"] = {"total": outs["tight"][2].total, "peak": outs["tight"][2].peak}
+    return report
 
 
 def _bf16_greedy(model_dir: str, prompts, device: str, max_new: int, got: dict, want: dict) -> tuple[dict, dict]:
@@ -303,6 +327,7 @@ def steps(check: Check) -> list[Step]:
         return lambda: fn(a.model, check.prompts, dev, sizes["max_new"])
     out = [Step("sdpa_backends", lambda: sdpa_backends(check.device)),
            Step("fp32_graphs_vs_eager", exact(fp32_graphs_vs_eager)),
+           Step("paged_preemption", exact(paged_preemption)),
            Step("bf16_speculative_vs_ar", exact(bf16_speculative_vs_ar)),
            Step("bf16_flash_graphs_vs_eager", exact(bf16_flash_graphs_vs_eager),
                 lambda: flash.unavailable_reason(check.device, torch.bfloat16)),

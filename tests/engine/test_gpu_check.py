@@ -82,6 +82,10 @@ def test_gpu_check_imports_and_runs_without_the_job_stack(tmp_path):
     for case in ("greedy", "sampled"):
         assert fp32[f"fp32_{case}_graphs_vs_eager"] == {"rows_equal": 1.0, "first_divergence_at_token": None}
         assert fp32["cuda_graphs"][case]["capture_failures"] == []
+    paged = steps["paged_preemption"]["result"]
+    for case in ("greedy", "sampled"):       # a pool of about one row: rows preempted, tokens unchanged
+        assert paged[f"fp32_{case}_tight_vs_roomy"] == {"rows_equal": 1.0, "first_divergence_at_token": None}
+        assert paged[f"{case}_preemptions"] > 0 and paged[f"{case}_recomputed_tokens"] > 0
     assert 0.0 <= steps["bf16_speculative_vs_ar"]["result"]["bf16_greedy_speculative_vs_ar"]["rows_equal"] <= 1.0
     sdpa = steps["sdpa_backends"]["result"]
     assert set(sdpa) >= {"flash_sdp_enabled", "math_sdp_enabled", "priority_order", "engine_shapes"}
