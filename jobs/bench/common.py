@@ -25,7 +25,7 @@ RESULTS = "bench-results"
 # workload → its module (imported only when it runs: several need the job's stack)
 WORKLOADS = {"speed": "speed", "logprobs": "logprobs", "vocab": "vocab", "prefix": "prefix", "ab": "ab",
              "structured": "structured", "short": "short", "scale": "scale", "storage": "storage",
-             "reasoning": "reasoning"}
+             "reasoning": "reasoning", "paged": "paged"}
 DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only WORKLOAD: the same).
 
     speed       (default) Orthrus vs our AR mode vs transformers generate, per batch size; on CPU
@@ -35,6 +35,7 @@ DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only W
     structured  grammar constraints' cost           short       1-token rows: the job vs the bare engine
     scale       the job around the engine at scale  storage     the job on local disk vs S3 on loopback
     reasoning   thinking on with a JSON schema: speculative ÷ AR, constrained ÷ free
+    paged       the paged KV cache: rows in flight at a fixed pool vs the static layout's
 
 Results: bench-results/<workload>.json (--out to write elsewhere); speed also bench-results/speed.png.
 python -m jobs.bench WORKLOAD --help lists that workload's own options.
