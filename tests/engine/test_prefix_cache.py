@@ -140,3 +140,38 @@ def test_static_shapes_never_reuse_freed_slots(model, static):
     _, want = _run(model, prompts, params, max_batch_size=2, static_shapes=static, prefix_cache=False)
     assert got == want
     assert engine.stats.prefix_cache_hit_tokens > 0
+
+
+def test_page_index_matches_whole_pages_checked_token_by_token():
+    from orthrus.engine.host.prefix_cache import PageIndex
+    index = PageIndex(block=4)
+    prompt = np.arange(1, 14, dtype=np.int64)                         # 3 whole pages + 1 token
+    hashes = block_hashes(prompt, 4)
+    index.add(prompt, hashes, [7, 8, 9])
+    assert index.match(prompt, hashes, limit=3) == [7, 8, 9]
+    assert index.match(prompt, hashes, limit=2) == [7, 8]               # the caller's cap (last token computed)
+    other = prompt.copy()
+    other[5] = 99                                                       # differs in page 1
+    assert index.match(other, block_hashes(other, 4), limit=3) == [7]
+    assert index.match(other, hashes, limit=3) == [7]                   # a "collision": page 1's tokens differ
+    index.forget(8)                                                     # evicted: the chain stops there
+    assert index.match(prompt, hashes, limit=3) == [7] and 8 not in index and 9 in index
+
+
+def test_page_pool_counts_references_caches_indexed_pages_and_evicts_the_oldest():
+    from orthrus.engine.host.pages import PagePool
+    named = {1, 2}
+    forgotten = []
+    pool = PagePool(5, 16, 3, 4, indexed=lambda p: p in named, forget=lambda p: (forgotten.append(p), named.discard(p)))
+    assert pool.grow(0, 2) == [1, 2] and pool.available() == 2
+    pool.share(1, [1, 2])                                               # slot 1 shares slot 0's prompt pages
+    pool.grow(1, 3)
+    assert pool.refs[[1, 2, 3]].tolist() == [2, 2, 1] and pool.in_use == 3
+    pool.release(0)
+    assert pool.refs[[1, 2]].tolist() == [1, 1] and pool.in_use == 3
+    pool.release(1)                                                     # 1, 2 cached (named); 3 free
+    assert list(pool.cached) == [2, 1] and list(pool.free) == [4, 3] and pool.in_use == 0 and pool.peak == 3
+    assert pool.grow(2, 3) == [4, 3, 2] and forgotten == [2]            # free first, then the oldest cached
+    entries = pool.take_entries()
+    assert entries.shape[1] == 3 and len({(s, e) for s, e, _ in entries.tolist()}) == len(entries)
+    assert [p for s, e, p in entries.tolist() if s == 0] == [0, 0]      # released: the null page
