@@ -141,3 +141,25 @@ def test_rows_hold_pages_in_proportion_to_their_tokens(model):
 def test_a_pool_smaller_than_one_row_is_refused(model):
     with pytest.raises(ValueError, match=r"kv_cache_tokens must be an int >= 96 \(one row at full length"):
         OrthrusEngine(model, max_batch_size=2, max_seq_len=80, kv_cache_tokens=80)
+
+
+def test_preempted_constrained_rows_keep_their_grammar_state():
+    """Grammar rows (JSON schema, regex, choice) and free ones with the bundled tokenizer's
+    vocabulary, 6 rows over a pool of about one row: preempted rows resume with their matcher
+    untouched, tokens equal a roomy pool's, sampled and greedy."""
+    from transformers import AutoTokenizer
+    from support.constraints import PERSON, PROMPTS
+    from support.paths import TOKENIZER_DIR
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    model = tiny_model(seed=5, vocab=4097, eos=[4095, 4093], block_size=4, diff_noise=0.5, scale=20.0)
+    kinds = [{"json_schema": PERSON}, {"regex": r"[a-z]{1,5}( [a-z]{1,5}){0,2}\."}, {"choice": ["yes", "no"]}, None]
+    prompts = [PROMPTS[i % len(PROMPTS)] * 6 for i in range(6)]
+    params = [SamplingParams(temperature=0.7 * (i % 2), seed=i, max_new_tokens=24, structured=kinds[i % 4],
+                             min_tokens=0 if kinds[i % 4] else 24) for i in range(6)]
+    runs = []
+    for pool in (None, 48 + 16):
+        engine = OrthrusEngine(model, max_batch_size=6, max_seq_len=60, tokenizer=tok, kv_cache_tokens=pool)
+        runs.append((engine, engine.generate(prompts, params)))
+    (roomy, want), (tight, got) = runs
+    _same(got, want)
+    assert roomy.stats.preemptions == 0 and tight.stats.preemptions > 0
