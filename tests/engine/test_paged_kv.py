@@ -44,8 +44,13 @@ def _same(got, want) -> None:
             assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in w.top_logprobs]
 
 
-@pytest.mark.parametrize("speculative", [True, False, "auto"], ids=["spec", "ar", "auto"])
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+SLOW = pytest.mark.slow      # the fast tier keeps eager spec and AR; the slow one every mode x path
+
+
+@pytest.mark.parametrize("speculative, static", [
+    (True, False), (False, False), pytest.param("auto", False, marks=SLOW), pytest.param(True, True, marks=SLOW),
+    pytest.param(False, True, marks=SLOW), pytest.param("auto", True, marks=SLOW)],
+    ids=["eager-spec", "eager-ar", "eager-auto", "static-spec", "static-ar", "static-auto"])
 def test_preempted_rows_end_with_the_tokens_of_an_unpreempted_run(model, speculative, static):
     """7 rows in flight over a pool of 1.5 full-length rows' pages: rows are preempted and recomputed,
     tokens and logprobs equal a pool that holds every row (prefix cache on in both)."""
