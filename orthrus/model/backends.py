@@ -53,7 +53,7 @@ class BlockBatch:
     # Filled once per forward by the backend's ``prepare`` (not per layer): what every layer reads.
     mask: torch.Tensor | None = None         # [b, 1, T, L] bool: key j visible to query t (SDPA)
     write_index: torch.Tensor | None = None  # [b, T] long: the pool rows the block is written to (SDPA)
-    key_index: torch.Tensor | None = None    # [b, L] long: the pool rows of keys 0 … L-1 (SDPA)
+    key_pages: torch.Tensor | None = None    # [b, L / G] long: the pages of keys 0 … L-1 (SDPA)
     starts32: torch.Tensor | None = None     # [b] int32: each row's first position (flash)
     pages32: torch.Tensor | None = None      # [b, M] int32: the rows' page tables (flash)
 
@@ -122,15 +122,19 @@ class RaggedSDPA(AttentionBackend):
         kv_len = batch.kv_len
         if self.key_bucket > 1:
             kv_len = min(-(-kv_len // self.key_bucket) * self.key_bucket, cache.capacity)
+        # Keys are read whole pages at a time (one gather index per page): the bound rounds up to a
+        # page, and the keys past a row's limit are masked like any other.
+        pages = -(-kv_len // cache.page_size)
         slots = batch.slot_index(cache.num_slots)
-        keys = torch.arange(kv_len, device=slots.device)[None].expand(slots.shape[0], kv_len)   # [b, L]
-        return replace(batch, kv_len=kv_len, mask=visible_keys(batch.positions, batch.causal, kv_len),
-                       write_index=cache.index(slots, batch.positions), key_index=cache.index(slots, keys))
+        return replace(batch, kv_len=pages * cache.page_size,
+                       mask=visible_keys(batch.positions, batch.causal, pages * cache.page_size),
+                       write_index=cache.index(slots, batch.positions),
+                       key_pages=cache.table[slots, :pages].long())
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cache: PagedKVCache, batch: BlockBatch, scale: float) -> torch.Tensor:
         cache.write(layer_idx, batch.write_index, k, v)
-        k_all, v_all = cache.read(layer_idx, batch.key_index)                    # [b, Hk, L, D]
+        k_all, v_all = cache.read(layer_idx, batch.key_pages)                    # [b, Hk, L, D]
         return ragged_attention(q, k_all, v_all, batch.mask, scale)
 
 

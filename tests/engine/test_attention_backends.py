@@ -47,11 +47,13 @@ def test_sdpa_and_flash_backends_agree(causal, slots):
     torch.testing.assert_close(caches[0].v[0], caches[1].v[0])
 
 
-def test_key_bucket_is_capped_at_capacity():
-    cache = PagedKVCache.contiguous(1, B, HK, S, D, torch.float64, "cpu")
+def test_key_bucket_is_capped_at_capacity_and_keys_are_read_in_whole_pages():
+    cache = PagedKVCache.contiguous(1, B, HK, S, D, torch.float64, "cpu", page_size=4)
     pos = torch.tensor([[20]])
-    assert RaggedSDPA(16).prepare(BlockBatch(None, pos, 21), cache).kv_len == S
+    assert RaggedSDPA(16).prepare(BlockBatch(None, pos, 21), cache).kv_len == S      # 32 capped at 24
     assert RaggedSDPA(8).prepare(BlockBatch(None, pos, 9), cache).kv_len == 16
+    got = RaggedSDPA().prepare(BlockBatch(None, pos, 21), cache)
+    assert got.kv_len == 24 and got.key_pages.shape == (B, 6) and got.mask.shape[-1] == 24   # 21 → 6 pages
 
 
 def test_choose_backend_on_cpu():

@@ -38,8 +38,8 @@ def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
     def write(pos, k_new, v_new):
         cache.write(0, cache.index(slots, pos), k_new, v_new)
 
-    def read(rows, kv_len):
-        return cache.read(0, cache.index(rows, torch.arange(kv_len)[None].expand(len(rows), kv_len)))
+    def read(rows, kv_len):                                   # whole pages: kv_len is a multiple of 8
+        return cache.read(0, cache.table[rows, : kv_len // 8].long())
     truth = [[] for _ in range(b)]                            # committed (k, v) per row, position order
     slots = torch.arange(b)
     prompt_lens = torch.tensor([5, 2, 9])
@@ -61,7 +61,7 @@ def test_ragged_cache_after_writes_and_crops_equals_contiguous_attention():
     block = torch.randn(2, b, hk, k, d, dtype=torch.float64)
     pos = cache.lengths[:, None] + torch.arange(k)[None]
     write(pos, block[0], block[1])
-    kv_len = int(pos.max()) + 1
+    kv_len = -(-(int(pos.max()) + 1) // 8) * 8                 # keys read in whole pages (masked past the rows)
     visible = visible_keys(pos, True, kv_len)                 # [b, 1, K, L] causal
     got = ragged_attention(q, *read(slots, kv_len), mask=visible, scale=d ** -0.5)
     for i in range(b):
