@@ -145,3 +145,15 @@ def test_bench_reasoning_reports_phases_ratios_and_checks(tmp_path):
     assert cell["json_spec"]["reasoning_tokens"] == 3 * 5        # budget 4, then the forced think end
     for key in ("free_spec_over_ar", "json_spec_over_ar", "json_over_free_spec", "json_over_free_ar"):
         assert cell[key]["medians"] > 0 and cell[key]["pairs"] > 0
+
+
+def test_bench_paged_reports_rows_in_flight_against_the_static_layout(tmp_path):
+    out = tmp_path / "paged.json"
+    bench.main(["paged", "--rows", "12", "--min-len", "16", "--max-len", "192", "--reps", "1", "--static-slots", "2",
+                "--paged-slots", "12", "--out", str(out), "--model", MODEL])
+    report = json.loads(out.read_text())
+    static, paged = report["arms"]["static"], report["arms"]["paged"]
+    assert report["completions_identical"] and static["rows_in_flight_median"] == 2 and static["preemptions"] == 0
+    assert paged["rows_in_flight_median"] > 2 and report["rows_in_flight_paged_over_static"] > 1
+    assert report["pool_tokens"] == 2 * 208 and 0 < report["paged_pages_per_row_over_tokens"] <= 1.5
+    assert set(report["tokens_per_s_paged_over_static"]) == {"medians", "pairs"}
