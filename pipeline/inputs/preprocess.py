@@ -1,13 +1,13 @@
-"""The job's CPU step before the processor: expand to the pending samples and state each one's request.
+"""The job's CPU step before the processor: expand to the pending samples and build each one's request.
 
 Runs as a Ray Data task over Arrow batches, right after the read tasks. Each pending
 (id, sample_index) becomes one row in the processor's shape (``pipeline/requests/prepare.py``):
-``prompt`` / ``messages`` from the configured columns, a ``sampling_params`` struct (the config's
-defaults overridden by the row's own columns, with a seed derived from (seed, id, sample_index)),
-``__structured_field`` (where the row's constraint came from, for the prepare stage's compile
-errors) and ``error`` for a row whose overrides or line (``__input_error`` of JSONL inputs) are bad. The
-processor then tokenizes. Pass-through columns are cast to the inputs' unified types, so blocks
-from files whose schemas differ concatenate.
+``prompt`` / ``messages`` from the configured columns, and its SamplingParams -- the config's
+defaults overridden by the row's own columns (built once per distinct setting), with a seed
+derived from (seed, id, sample_index) -- or the error of a row whose overrides or line
+(``__input_error`` of JSONL inputs) are bad. The processor's prepare step then tokenizes, in the
+same call (:func:`preprocess_batch`). Pass-through columns are cast to the inputs' unified types, so
+blocks from files whose schemas differ concatenate.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ import pyarrow.compute as pc
 from orthrus import Constraint, SamplingParams
 from orthrus.constraints import parse_constraint
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
-from pipeline.requests.prepare import PreparePlan, prepare_batch, values
-from pipeline.requests.sampling_fields import BY_ENGINE, FIELDS, as_int, build, parse, stop_with_structured
+from pipeline.requests.prepare import PreparePlan, RowSampling, prepare_rows, values
+from pipeline.requests.sampling_fields import (BY_ENGINE, FIELDS, Settings, as_int, build, frozen, parse, reseed,
+                                              stop_with_structured)
 from pipeline import schema as S
 from pipeline.inputs.column_types import convert
 from pipeline.inputs.plan import INPUT_ERROR, InputPlan
-from pipeline.requests.errors import ERROR, RowError, row_error
+from pipeline.requests.errors import RowError, row_error
 from pipeline.requests.prompts import ChatTemplate
-from pipeline.requests.request import sampling_to_arrow
 from pipeline.requests.request_keys import JOB_COLUMNS, unsupported
 from pipeline.requests.structured import STAGED_STRUCTURED, STRUCTURED, STRUCTURED_FIELD, Off, cell_constraint
 
@@ -88,10 +88,10 @@ def _seed(row_seed: Any, base: int, row_id: str, sample_index: int) -> int:
     return (seed + sample_index) % 2 ** 63
 
 
-def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: SamplingConfig,
-                 job: Constraint | None = None) -> tuple[SamplingParams, str | None]:
-    """The sample's SamplingParams -- config defaults, overridden by the row's non-null columns --
-    and the field its constraint came from (None: unconstrained). ``job``: ``cfg.structured`` parsed."""
+def settings_for(row: dict[str, Any], cfg: SamplingConfig, job: Constraint | None = None
+                 ) -> tuple[SamplingParams, str | None]:
+    """A row's SamplingParams less its seed -- config defaults, overridden by the row's non-null
+    columns -- and the field its constraint came from (None: unconstrained). ``job``: ``cfg.structured`` parsed."""
     given = {f.engine for f in FIELDS if f.column is not None and row.get(f.column) is not None}
     where: str | None = None
 
@@ -105,10 +105,13 @@ def sampling_for(row: dict[str, Any], sample_index: int, row_id: str, cfg: Sampl
 
     kw = {f.engine: parse(f, row[f.column], name(f.engine)) if f.engine in given else getattr(cfg, f.config)
           for f in FIELDS if f.kind != "structured" and f.engine != "seed"}
-    kw.update(stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]),
-              seed=_seed(row.get("seed"), cfg.seed, row_id, sample_index))
+    kw.update(stop=tuple(kw["stop"]), stop_token_ids=tuple(kw["stop_token_ids"]))
     kw["structured"], where = structured_for(row, job, cfg, kw["stop"])
     return build(kw, name), where
+
+
+def _column(engine: str) -> str:
+    return f"column {engine!r}"
 
 
 def _row_ids(batch: pa.Table, plan: InputPlan) -> list[str]:
@@ -124,43 +127,82 @@ def _expand(batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return rows, pc.list_flatten(samples).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+class _RowSettings:
+    """Each input row's settings (less the seed), built once per distinct set of override values
+    (:class:`Settings`), or the row's error. Bounded by the batch's rows."""
+
+    def __init__(self, batch: pa.Table, plan: PreprocessPlan) -> None:
+        names = (*plan.inputs.override_columns, STAGED_STRUCTURED, STRUCTURED_FIELD)
+        self.overrides = {name: values(batch, name) for name in names if name != "seed"}
+        self.line_errors = values(batch, INPUT_ERROR)
+        self.options = {name: values(batch, name) for name in JOB_COLUMNS if name in batch.column_names}
+        self.cfg, self.job = plan.sampling, parse_constraint(plan.sampling.structured)  # validated with the config
+        self.settings = Settings()
+        self.rows: dict[int, tuple[SamplingParams, str | None] | str] = {}
+
+    def __call__(self, r: int) -> tuple[SamplingParams, str | None] | str:
+        """Input row ``r``'s (settings, where its constraint came from), or its error message."""
+        if r not in self.rows:
+            self.rows[r] = self._build(r)
+        return self.rows[r]
+
+    def _build(self, r: int) -> tuple[SamplingParams, str | None] | str:
+        if self.line_errors[r] is not None:
+            return row_error(self.line_errors[r])
+        for k, v in self.options.items():    # request options we do not implement: the error names the column
+            if why := unsupported(k, v[r]):
+                return f"column {k!r}: {why}"
+        row = {k: v[r] for k, v in self.overrides.items()}
+        try:
+            return self.settings.get(frozen(row), lambda: settings_for(row, self.cfg, self.job))
+        except RowError as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - a value of a type no check foresaw: the row's error
+            return row_error("sampling override columns", e)
+
+
 def _samples(batch: pa.Table, rows: np.ndarray, samples: np.ndarray, ids: list[str], plan: PreprocessPlan
-             ) -> tuple[list[SamplingParams | None], list[str | None], list[str | None]]:
-    """Each pending sample's SamplingParams (or its row's error) and where its constraint came from."""
-    columns = (*plan.inputs.override_columns, STAGED_STRUCTURED, STRUCTURED_FIELD)
-    overrides = {name: values(batch, name) for name in columns}
-    line_errors = values(batch, INPUT_ERROR)
-    options = {name: values(batch, name) for name in JOB_COLUMNS if name in batch.column_names}
-    job = parse_constraint(plan.sampling.structured)    # validated with the config: parsed once here
+             ) -> RowSampling:
+    """Each pending sample's SamplingParams (its row's settings with the sample's own seed) or error."""
+    settings = _RowSettings(batch, plan)
+    seeds = values(batch, "seed")
     params: list[SamplingParams | None] = []
     errors: list[str | None] = []
     fields: list[str | None] = []
     for r, s in zip(rows.tolist(), samples.tolist()):
-        p, where, error = None, None, (row_error(line_errors[r]) if line_errors[r] is not None else None)
-        if error is None:    # request options we do not implement: the row's error naming the column
-            error = next((f"column {k!r}: {why}" for k, v in options.items() if (why := unsupported(k, v[r]))), None)
-        if error is None:
+        p, where, error = None, None, None
+        built = settings(r)
+        if isinstance(built, str):
+            error = built
+        else:
             try:
-                p, where = sampling_for({k: v[r] for k, v in overrides.items()}, s, ids[r], plan.sampling, job)
+                p, where = reseed(built[0], _seed(seeds[r], plan.sampling.seed, ids[r], s), _column), built[1]
             except RowError as e:
                 error = str(e)
-            except Exception as e:  # noqa: BLE001 - e.g. the seed column's own checks
-                error = row_error("sampling override columns", e)
+            except Exception as e:  # noqa: BLE001 - e.g. a seed cell of an unforeseen type
+                error = row_error("column 'seed'", e)
         params.append(p)
         errors.append(error)
         fields.append(where)
-    return params, errors, fields
+    return RowSampling(params, errors, fields)
 
 
-def job_rows(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
+@dataclass(frozen=True)
+class JobRows:
+    """The job's pending samples in the processor's row shape, and their sampling (already built:
+    the prepare stage takes it as is)."""
+
+    table: pa.Table
+    sampling: RowSampling
+
+
+def job_rows(batch: pa.Table, plan: PreprocessPlan) -> JobRows:
     """Input rows -> one row per pending (id, sample_index) in the processor's shape."""
     ids = _row_ids(batch, plan.inputs)
     rows, samples = _expand(batch)
-    params, errors, fields = _samples(batch, rows, samples, ids, plan)
+    sampling = _samples(batch, rows, samples, ids, plan)
     take = pa.array(rows, pa.int64())
     cols = {"id": pa.array(ids, pa.string()).take(take), "sample_index": pa.array(samples, pa.int64()),
-            ERROR: pa.array(errors, pa.string()), "sampling_params": sampling_to_arrow(params),
-            STRUCTURED_FIELD: pa.array(fields, pa.string()),    # read (and dropped) by the prepare stage
             S.FILE: batch[S.FILE].take(take), S.ROW: batch[S.ROW].take(take)}
     for name, column in (("prompt", plan.inputs.prompt_column), ("messages", plan.inputs.messages_column)):
         if column is not None and column in batch.column_names:
@@ -169,10 +211,12 @@ def job_rows(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
     for field in plan.inputs.passthrough_fields:
         if field.name in batch.column_names:   # a column this batch's file lacks stays absent (nulls later)
             table = table.append_column(field, convert(batch[field.name], field.type).take(take))
-    return table
+    return JobRows(table, sampling)
 
 
 def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
     """What the read tasks' rows become on their way to the actors: :func:`job_rows`, then the
-    processor's prepare stage, in one call (the dataset runs them as two fused map operators)."""
-    return prepare_batch(job_rows(batch, plan), plan.prepare)
+    processor's prepare stage, in one call, so each row's SamplingParams is built once (the job's
+    dataset runs it as its one preprocessing operator; the processor's own prepare map is skipped)."""
+    rows = job_rows(batch, plan)
+    return prepare_rows(rows.table, plan.prepare, rows.sampling)

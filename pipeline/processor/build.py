@@ -30,6 +30,7 @@ class StageOptions:
 
     batch_records: bool = False       # one ``__batch`` record per batch for the job's driver
     keep_inputs: bool = True          # False: the input columns the processor reads do not travel on
+    prepared: bool = False            # True: rows arrive prepared (the job's own step); no prepare map
     stage_cls: type = GenerationStage
     stage_kwargs: tuple[tuple[str, Any], ...] = ()   # more constructor arguments (``actor/faults.py``)
 
@@ -61,9 +62,11 @@ def _pool(concurrency: int | tuple[int, int], config: OrthrusProcessorConfig):
 
 
 def generate(ds, config: OrthrusProcessorConfig, options: StageOptions = StageOptions()):
-    """Prepare -> re-cut -> generate on ``ds`` (rows in the processor's shape); the lazy result."""
-    ds = ds.map_batches(prepare_batch, fn_kwargs={"plan": prepare_plan(config, options)}, batch_format="pyarrow",
-                        batch_size=max(PREPARE_ROWS, config.batch_size))
+    """Prepare -> re-cut -> generate on ``ds`` (rows in the processor's shape, or already prepared
+    with ``options.prepared``); the lazy result."""
+    if not options.prepared:
+        ds = ds.map_batches(prepare_batch, fn_kwargs={"plan": prepare_plan(config, options)}, batch_format="pyarrow",
+                            batch_size=max(PREPARE_ROWS, config.batch_size))
     # Re-cut into batch-sized blocks so work spreads over the actors and each finished batch
     # leaves the pool while the rest run.
     ds = ds.repartition(target_num_rows_per_block=config.batch_size)

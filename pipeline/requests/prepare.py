@@ -24,8 +24,8 @@ from pipeline.requests.errors import ERROR, RowError, row_error
 from pipeline.requests.prompts import ChatTemplate, InvalidText, format_prompt
 from pipeline.requests.request import REQUEST, to_arrow
 from pipeline.requests.request_keys import check_keys
-from pipeline.requests.sampling_fields import (BY_ENGINE, FIELDS, VLLM_KEYS, as_int, build, parse,
-                                              stop_with_structured)
+from pipeline.requests.sampling_fields import (BY_ENGINE, FIELDS, VLLM_KEYS, Settings, as_int, build, frozen, parse,
+                                              reseed, stop_with_structured)
 from pipeline.requests.structured import SAMPLING_PARAMS_KEYS, STRUCTURED_FIELD, compile_error, from_sampling_params
 from pipeline.schema import PROCESSOR_INPUTS
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
@@ -70,18 +70,59 @@ def _name(engine: str) -> str:
     return f"sampling_params.{BY_ENGINE[engine].vllm}" if engine in BY_ENGINE else f"sampling_params.{engine}"
 
 
-def sampling_and_field(value: Any) -> tuple[SamplingParams, str | None]:
-    """:func:`sampling_params_of`, and the key its structured-output constraint came from (or None)."""
+def sampling_and_field(value: Any, settings: Settings | None = None) -> tuple[SamplingParams, str | None]:
+    """:func:`sampling_params_of`, and the key its structured-output constraint came from (or None).
+    ``settings``: the batch's built settings, so a value seen before is not built again."""
     d = _as_dict(value)
+    seed = d.pop("seed", None)
+    seed = secrets.randbits(63) if seed is None else parse(BY_ENGINE["seed"], seed, _name("seed"), vllm=True)
+    # unseeded: random, like vLLM; reported in the seed column
+    built, where = (settings or Settings()).get(frozen(d), lambda: _settings(d))
+    return reseed(built, seed, _name), where
+
+
+def _settings(d: dict[str, Any]) -> tuple[SamplingParams, str | None]:
+    """``sampling_params`` (less its seed) as SamplingParams, and where its constraint came from."""
     kw = {f.engine: parse(f, d[f.vllm], _name(f.engine), vllm=True) for f in FIELDS
           if f.kind != "structured" and f.vllm in d}
-    kw.setdefault("seed", secrets.randbits(63))   # unseeded: random, like vLLM; reported in the seed column
     kw["structured"], where = from_sampling_params(d)
     if kw["structured"] is not None:
         which = "stop" if kw.get("stop") else "stop_token_ids" if kw.get("stop_token_ids") else None
         if which:
             raise stop_with_structured(where, f"sampling_params.{which}")
     return build(kw, lambda engine: where if engine == "structured" and where else _name(engine)), where
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """A batch's sampling as the prepare stage takes it, row by row: the SamplingParams (None where
+    the row has an error), its error (None: none so far) and the field its constraint came from
+    (which a compile error names). The job builds it from its config and columns
+    (``inputs/preprocess.py``), the processor from its rows' ``sampling_params``
+    (:func:`read_sampling`): either way each row's SamplingParams is built once."""
+
+    params: list[SamplingParams | None]
+    errors: list[str | None]
+    fields: list[str | None]
+
+
+def read_sampling(batch: pa.Table) -> RowSampling:
+    """The processor's rows: their ``sampling_params`` (one build per distinct value; each row with
+    its own seed) and the ``error`` a user's stage may have set upstream."""
+    errors = upstream_errors(batch)
+    params: list[SamplingParams | None] = [None] * batch.num_rows
+    fields: list[str | None] = [None] * batch.num_rows
+    settings = Settings()
+    for i, value in enumerate(values(batch, "sampling_params")):
+        if errors[i] is not None:
+            continue
+        try:
+            params[i], fields[i] = sampling_and_field(value, settings)
+        except RowError as e:
+            errors[i] = str(e)
+        except Exception as e:  # noqa: BLE001 - a value of a type no check foresaw: the row's error
+            errors[i] = row_error("sampling_params cannot be used", e)
+    return RowSampling(params, errors, fields)
 
 
 def values(batch: pa.Table, name: str) -> list:
@@ -173,24 +214,18 @@ def _tokens(batch: pa.Table, todo: list[int], plan: PreparePlan, tokenizer) -> d
 
 
 def prepare_batch(batch: pa.Table, plan: PreparePlan) -> pa.Table:
-    """Rows -> the same rows with ``__request``, ``num_input_tokens``, ``seed`` and ``error``."""
-    errors = upstream_errors(batch)
-    params: list[SamplingParams | None] = [None] * batch.num_rows
-    fields = values(batch, STRUCTURED_FIELD)     # the job's: where each row's constraint came from
-    for i, value in enumerate(values(batch, "sampling_params")):
-        if errors[i] is not None:
-            continue
-        try:
-            params[i], where = sampling_and_field(value)
-            fields[i] = fields[i] or where
-        except RowError as e:
-            errors[i] = str(e)
-        except Exception as e:  # noqa: BLE001 - a value of a type no check foresaw: the row's error
-            errors[i] = row_error("sampling_params cannot be used", e)
+    """The processor's rows -> the same rows with ``__request``, ``num_input_tokens``, ``seed`` and ``error``."""
+    return prepare_rows(batch, plan, read_sampling(batch))
+
+
+def prepare_rows(batch: pa.Table, plan: PreparePlan, sampling: RowSampling) -> pa.Table:
+    """Rows whose sampling is already built -> the same rows with ``__request``,
+    ``num_input_tokens``, ``seed`` and ``error``: constraints compiled, prompts formatted and tokenized."""
+    params, errors = sampling.params, list(sampling.errors)
     tokenizer = load_tokenizer(resolve_model_dir(plan.model, plan.storage, weights=False))
     for i, p in enumerate(params):    # a constraint that does not compile: the row's error, before an actor
         if errors[i] is None and p is not None and p.structured is not None:
-            errors[i] = compile_error(tokenizer, p.structured, fields[i])
+            errors[i] = compile_error(tokenizer, p.structured, sampling.fields[i])
     todo = [i for i in range(batch.num_rows) if errors[i] is None]
     tokens = _tokens(batch, todo, plan, tokenizer)
     requests: list[tuple[list[int], SamplingParams] | None] = [None] * batch.num_rows

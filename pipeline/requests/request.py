@@ -26,11 +26,6 @@ def _sampling(p: SamplingParams) -> dict:
     return to_vllm(p, constraint_json(p.structured))
 
 
-def sampling_to_arrow(params: list[SamplingParams | None]) -> pa.StructArray:
-    """A ``sampling_params`` column (vLLM names); None becomes a null struct."""
-    return pa.array([None if p is None else _sampling(p) for p in params], SAMPLING_TYPE)
-
-
 def _row(prompt: list[int], p: SamplingParams) -> dict:
     return {"prompt_token_ids": prompt, **_sampling(p)}
 

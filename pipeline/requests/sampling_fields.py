@@ -105,12 +105,64 @@ def build(settings: dict[str, Any], name: Callable[[str], str]) -> SamplingParam
     try:
         return SamplingParams(**settings)
     except (ValueError, TypeError) as e:
-        text = str(e)
-        if not text.startswith("SamplingParams."):
-            raise RowError(text[:500]) from None
-        field, rest = text.removeprefix("SamplingParams.").split(" ", 1)
-        rest = rest.replace("with structured", f"with {name('structured')}")
-        raise RowError(f"{name(field)} {rest}"[:500]) from None
+        raise named(e, name) from None
+
+
+def reseed(settings: SamplingParams, seed: int | None, name: Callable[[str], str]) -> SamplingParams:
+    """``settings`` with a row's own ``seed`` (only the seed is checked: the rest was when
+    ``settings`` was built); a bad seed is :class:`RowError` naming it as ``name("seed")`` does."""
+    try:
+        return settings.with_seed(seed)
+    except ValueError as e:
+        raise named(e, name) from None
+
+
+def named(e: Exception, name: Callable[[str], str]) -> RowError:
+    """The engine's ``SamplingParams.<field> ...`` message as a :class:`RowError` under the source's name."""
+    text = str(e)
+    if not text.startswith("SamplingParams."):
+        return RowError(text[:500])
+    field, rest = text.removeprefix("SamplingParams.").split(" ", 1)
+    rest = rest.replace("with structured", f"with {name('structured')}")
+    return RowError(f"{name(field)} {rest}"[:500])
+
+
+class Settings:
+    """Built sampling settings per distinct source value, so each distinct setting is parsed, built
+    and validated once per batch and each row takes it with its own seed (:func:`reseed`): rows of
+    a batch job share their settings (config defaults, a few override values), and a per-row
+    build was most of the prepare stage's time. A value that fails is remembered as its error.
+    Bounded by the batch's distinct settings (at most its rows)."""
+
+    def __init__(self) -> None:
+        self._built: dict[Any, tuple[SamplingParams, str | None] | RowError] = {}
+
+    def get(self, key: Any, make: Callable[[], tuple[SamplingParams, str | None]]) -> tuple[SamplingParams, str | None]:
+        """``make()``'s (settings, where the constraint came from) for ``key``, built on first use;
+        a :class:`RowError` it raised is raised again for the same key."""
+        try:
+            out = self._built[key]
+        except TypeError:            # an unhashable value no freezing foresaw: build it unshared
+            return make()
+        except KeyError:
+            try:
+                out = self._built[key] = make()
+            except RowError as e:
+                self._built[key] = e
+                raise
+        if isinstance(out, RowError):
+            raise RowError(str(out))
+        return out
+
+
+def frozen(value: Any) -> Any:
+    """A hashable key for a source value: lists and dicts as tuples (dict order kept: a schema's
+    property order matters), each scalar with its type (``True`` and ``1`` build differently)."""
+    if isinstance(value, (list, tuple)):
+        return ("list", tuple(frozen(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, frozen(v)) for k, v in value.items()))
+    return (type(value).__name__, value)
 
 
 def stop_with_structured(structured: str, stop: str) -> RowError:

@@ -1,6 +1,6 @@
 """The job's Ray Data graph: input row groups (``inputs/source.py`` read tasks) -> the job's rows
-(``inputs/preprocess.py``: samples, ids, seeds, sampling) -> the processor (``pipeline/processor``:
-prepare, generate, detokenize).
+(``inputs/preprocess.py``: samples, ids, seeds, sampling, then the prepare step) -> the processor
+(``pipeline/processor``: generate, detokenize).
 
 The driver consumes the result and streams it into parts (``run/commit.py``); nothing here writes.
 """
@@ -14,7 +14,7 @@ from pipeline.processor.config import OrthrusProcessorConfig
 from pipeline.inputs.plan import InputPlan
 from pipeline.inputs.source import make_datasource
 from pipeline.output.sources import Pending
-from pipeline.inputs.preprocess import PreprocessPlan, job_rows
+from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.run.resources import Placement
 
 # Ray Data holds a task's output until it reaches this size before passing it on (128 MiB by
@@ -56,9 +56,10 @@ def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pendi
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
                          storage=config.storage)
     # Straight after the read (no repartition between): reads and tokenization interleave instead
-    # of every read finishing before the first row is tokenized.
-    ds = ds.map_batches(job_rows, fn_kwargs={"plan": pre}, batch_format="pyarrow",
+    # of every read finishing before the first row is tokenized. The job's rows and their prepare
+    # step are one call, so each row's SamplingParams is built once (the processor skips its own).
+    ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow",
                         batch_size=max(PREPARE_ROWS, config.engine.batch_size))
-    options = StageOptions(batch_records=True, keep_inputs=False, stage_cls=stage_cls,
+    options = StageOptions(batch_records=True, keep_inputs=False, prepared=True, stage_cls=stage_cls,
                            stage_kwargs=tuple(stage_kwargs.items()))
     return generate(ds, job_processor(config, placement), options)

@@ -142,3 +142,51 @@ def test_min_tokens_is_in_the_resume_fingerprint_only_when_set(tmp_path):
 
     assert "sampling.min_tokens" not in fingerprint(_job(tmp_path, {}, prompt=["a"]))    # older outputs resume
     assert fingerprint(_job(tmp_path, {"min_tokens": 3}, prompt=["a"]))["sampling.min_tokens"] == 3
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """How many SamplingParams have been built (each build validates every field) since the test began."""
+    count = {"n": 0}
+    original = SamplingParams.__post_init__
+
+    def counting(self):
+        count["n"] += 1
+        original(self)
+
+    monkeypatch.setattr(SamplingParams, "__post_init__", counting)
+    return count
+
+
+def test_each_setting_is_built_once_from_job_rows_to_the_actor(tmp_path, builds):
+    """The job: 30 rows x 2 samples with 3 distinct override settings (one bad) are built 3 times in
+    preprocessing (not once per row, nor again in the prepare step) and decoded once per distinct
+    setting by the actor; every sample keeps its own seed."""
+    temps = [None, 0.5, -1.0] * 10
+    cfg = _job(tmp_path, {"n": 2, "seed": 3}, prompt=[f"p{i}" for i in range(30)], temperature=temps)
+    rows = _job_rows(cfg)
+    assert builds["n"] == 3
+    errors = rows["error"].to_pylist()
+    assert errors.count(None) == 40 and set(errors) - {None} == {
+        "column 'temperature' must be a finite number >= 0, got -1.0"}
+    seeds = rows["seed"].to_pylist()
+    assert len({s for s, e in zip(seeds, errors) if e is None}) == 40          # one seed per sample
+    requests = read_requests(rows[REQUEST])
+    assert builds["n"] == 3 + 2                                                 # the actor: per distinct setting
+    assert [p.seed for p in requests.params if p] == [s for s, e in zip(seeds, errors) if e is None]
+    assert {p.temperature for p in requests.params if p} == {0.0, 0.5}
+
+
+def test_each_setting_is_built_once_from_processor_rows(builds):
+    """The processor: rows sharing a ``sampling_params`` value share one build; a bad seed is still
+    each row's own error; unseeded rows each draw their own seed."""
+    plan = PreparePlan(ModelConfig(path=str(MODEL)), StorageConfig(), ChatTemplate("off"))
+    params = [{"max_tokens": 3}, {"max_tokens": 3, "seed": 1}, {"max_tokens": 3, "seed": -2}, {"max_tokens": 4},
+              {"max_tokens": 3}, {"max_tokens": 3, "top_k": -1}]
+    out = prepare_batch(pa.table({"prompt": ["a"] * len(params), "sampling_params": params}), plan)
+    assert builds["n"] == 3          # {max_tokens 3}, {max_tokens 4}, {max_tokens 3, top_k off}
+    errors = out["error"].to_pylist()
+    assert errors[2].startswith("sampling_params.seed must be None or an int in [0, 2**63)")
+    assert [e for i, e in enumerate(errors) if i != 2] == [None] * 5
+    seeds = out["seed"].to_pylist()
+    assert seeds[1] == 1 and len({seeds[0], seeds[3], seeds[4], seeds[5]}) == 4
