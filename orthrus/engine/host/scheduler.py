@@ -223,7 +223,6 @@ class Scheduler:
         it, rows = step.iteration, step.rows
         if it is not None:
             self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots), page_iterations=self.pool.in_use)
-            self.table.ran_dead[it.slots[~out.packed.alive[: len(it.slots)]]] = True
         rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
         if self.grammars.any(rows):
             self.grammars.advance(rows, self.table.generated)
