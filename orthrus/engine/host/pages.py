@@ -17,23 +17,23 @@ Host only (numpy, no torch); every loop is bounded by the pages one call hands o
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 
 import numpy as np
+
+from orthrus.engine.host.prefix_cache import PageIndex
 
 NULL_PAGE = 0   # the device's null page (``model/cache.py``): never handed out
 
 
 class PagePool:
     """Pages ``1 … num_pages-1`` of ``page_size`` tokens, lent to ``num_slots`` slots of at most
-    ``pages_per_slot`` pages each. ``indexed(page)`` says whether the prefix index names a page (it
-    is then cached, not freed, when its last holder lets go) and ``forget(page)`` evicts it there."""
+    ``pages_per_slot`` pages each. A page the prefix ``index`` names is cached, not freed, when its
+    last holder lets go, and evicted there when the pool takes it back (None: no prefix cache)."""
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int, pages_per_slot: int,
-                 indexed: Callable[[int], bool] = lambda page: False,
-                 forget: Callable[[int], None] = lambda page: None) -> None:
+                 index: PageIndex | None = None) -> None:
         self.num_pages, self.page_size, self.pages_per_slot = num_pages, page_size, pages_per_slot
-        self.indexed, self.forget = indexed, forget
+        self.index = index
         self.refs = np.zeros(num_pages, dtype=np.int64)
         self.free: deque[int] = deque(range(1, num_pages))
         self.cached: OrderedDict[int, None] = OrderedDict()        # unreferenced, still indexed; oldest first
@@ -86,7 +86,7 @@ class PagePool:
         for page in reversed(pages):      # a prompt's last page is evicted before its first
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                if self.indexed(page):
+                if self.index is not None and page in self.index:
                     self.cached[page] = None
                 else:
                     self.free.append(page)
@@ -111,7 +111,7 @@ class PagePool:
         if self.free:
             return self.free.popleft()
         page, _ = self.cached.popitem(last=False)     # the least recently released cached page
-        self.forget(page)
+        self.index.forget(page)                         # only indexed pages are ever cached
         return page
 
     def _append(self, slot: int, page: int) -> None:

@@ -49,10 +49,7 @@ class Scheduler:
         # The prefix cache (prefix_cache.py): whole prompt pages by hash, running slots by prompt.
         self.page_index = PageIndex(page_size) if prefix_cache else None
         self.prefix_index = PrefixIndex(page_size) if prefix_cache else None
-        index = self.page_index
-        self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size),
-                             indexed=(lambda p: p in index) if index is not None else (lambda p: False),
-                             forget=index.forget if index is not None else (lambda p: None))
+        self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size), self.page_index)
         self.planner = PromptPlanner(self.pool, self.page_index, self.prefix_index, self.capacity, block_size)
         self.paused: dict[int, Seat] = {}             # preempted slots -> what re-seats them (oldest first)
         self.order = np.zeros(num_slots, dtype=np.int64)   # when each slot's row was admitted (newest: largest)
