@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from orthrus.engine.host.admission import PromptPlanner, Seat, slot_params
+from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, slot_params
 from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.policy import SpeculationPolicy, halving_block_sizes
@@ -51,7 +51,7 @@ class Scheduler:
         self.prefix_index = PrefixIndex(page_size) if prefix_cache else None
         self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size), self.page_index)
         self.planner = PromptPlanner(self.pool, self.page_index, self.prefix_index, self.capacity, block_size)
-        self.paused: dict[int, Seat] = {}             # preempted slots -> what re-seats them (oldest first)
+        self.paused = PausedRows(num_slots)          # preempted rows, what re-seats them (oldest first)
         self.order = np.zeros(num_slots, dtype=np.int64)   # when each slot's row was admitted (newest: largest)
         self._admissions = 0
         self.table = SlotTable(num_slots, block_size, max_seq_len, vocab_size)
@@ -109,8 +109,7 @@ class Scheduler:
         self._ended, self._aborted_slots = [], []
         self._make_room()
         adm = self._admit() if self.paused or (self.waiting and not self.table.busy_mask.all()) else None
-        paused = np.asarray(list(self.paused), dtype=np.int64)
-        slots = np.setdiff1d(self.table.occupied(), paused)
+        slots = self._running()
         remaining = self.table.remaining(slots)
         # (a constrained row's masks need its first token on the host: it sits its first step out;
         # so does one whose grammar failed at admission, which ends at the update)
@@ -120,7 +119,11 @@ class Scheduler:
         live = slots[~settle]
         it = self._iteration(live, int(remaining.max())) if len(live) else None
         return ScheduledStep(kill, adm, it, slots[settle], self.table.logprobs.width(slots), self.pool.take_entries(),
-                             paused)
+                             self.paused.slots())
+
+    def _running(self) -> np.ndarray:
+        """Occupied slots that are not paused (preempted), ascending."""
+        return np.flatnonzero(self.table.busy_mask & ~self.paused.mask)
 
     def _iteration(self, live: np.ndarray, remaining: int) -> Iteration:
         """One cycle or AR step over the ``live`` rows (``remaining``: the most tokens any occupied row may still take)."""
@@ -150,7 +153,7 @@ class Scheduler:
         back and keep their slot and device state (sampling position, stop state), to be re-seated
         (their K/V recomputed) when pages free up. Python runs over rows that need a page or are
         preempted only (events)."""
-        slots = np.setdiff1d(self.table.occupied(), np.asarray(list(self.paused), dtype=np.int64))
+        slots = self._running()
         if not len(slots):
             return
         wanted = [self.pool.pages_for(n + self.block_size) for n in self.table.committed(slots)]
@@ -167,12 +170,13 @@ class Scheduler:
 
     def _preempt(self, slot: int) -> None:
         """Take ``slot``'s pages back; it waits (first in line) to have its K/V recomputed."""
+        first = next(iter(self.paused.seats), None)
+        assert first is None or self.order[slot] < self.order[first], "a paused row is older than a running one"
         n = int(self.table.committed(np.asarray([slot]))[0])
         req = self.table.requests[slot]
         tokens = np.concatenate([req.prompt_ids, self.table.generated(slot)[: n - len(req.prompt)]])
         hashes = block_hashes(tokens, self.pool.page_size) if self.page_index is not None else []
-        self.paused[slot] = Seat(slot, tokens, hashes, new=False)
-        self.paused = dict(sorted(self.paused.items(), key=lambda kv: self.order[kv[0]]))
+        self.paused.push(Seat(slot, tokens, hashes, new=False))
         self.pool.release(slot)
         if self.prefix_index is not None:
             self.prefix_index.remove(slot)
@@ -187,14 +191,14 @@ class Scheduler:
         for r in waiting:
             if r.prefix_hashes is None:
                 r.prefix_hashes = block_hashes(r.prompt_ids, self.pool.page_size) if self.page_index is not None else []
-        seats = list(self.paused.values()) + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
-                                              for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
+        seats = list(self.paused.seats.values()) + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
+                                                    for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
         plan = self.planner.plan(seats)
         if plan.seated == 0:
             return None
         resumed = [s.slot for s in seats[: plan.seated] if not s.new]
         for slot in resumed:
-            del self.paused[slot]
+            self.paused.pop(slot)
         reqs = [self.waiting.popleft() for _ in range(plan.seated - len(resumed))]
         slots = free[: len(reqs)]
         now = time.perf_counter()
@@ -256,7 +260,7 @@ class Scheduler:
         self.grammars.release(slot)
         # Its pages go back (whole prompt pages stay cached for later prompts sharing them).
         self.pool.release(slot)
-        self.paused.pop(slot, None)
+        self.paused.pop(slot)
         if self.prefix_index is not None:
             self.prefix_index.remove(slot)
         if hit is not None:
