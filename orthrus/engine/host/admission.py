@@ -134,7 +134,7 @@ class PromptPlanner:
         seated = computed = recomputed = 0
         for seat in seats:
             src = self._source(seat, fresh)
-            need = self.pool.pages_for(len(seat.tokens) + self.block)
+            need = int(self.pool.pages_for(len(seat.tokens) + self.block))
             if need - len(src.shared) > self.pool.available() - sum(p in self.pool.cached for p in src.shared):
                 break
             self.pool.share(seat.slot, src.shared)

@@ -38,6 +38,8 @@ class PagePool:
         self.free: deque[int] = deque(range(1, num_pages))
         self.cached: OrderedDict[int, None] = OrderedDict()        # unreferenced, still indexed; oldest first
         self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
+        # len(slot_pages[s]) for every slot at once: the scheduler's per-step page need is array code
+        self.owned = np.zeros(num_slots, dtype=np.int64)
         self._entries: list[tuple[int, int, int]] = []             # (slot, entry, page) since the last take
         self.peak = 0
 
@@ -50,13 +52,9 @@ class PagePool:
         """Pages a request may take: free, or cached and evictable."""
         return len(self.free) + len(self.cached)
 
-    def pages_for(self, tokens: int) -> int:
-        """Pages that hold ``tokens`` positions (capped at a slot's table)."""
-        return min(-(-tokens // self.page_size), self.pages_per_slot)
-
-    def owned(self, slot: int) -> int:
-        """Pages ``slot`` holds."""
-        return len(self.slot_pages[slot])
+    def pages_for(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Pages that hold ``tokens`` positions (capped at a slot's table), element by element."""
+        return np.minimum(-(-tokens // self.page_size), self.pages_per_slot)
 
     def share(self, slot: int, pages: list[int]) -> None:
         """Append ``pages`` (held by other rows, or cached) to ``slot``'s table, by reference."""
@@ -91,6 +89,7 @@ class PagePool:
                 else:
                     self.free.append(page)
         self.slot_pages[slot] = []
+        self.owned[slot] = 0
 
     def take_entries(self) -> np.ndarray:
         """The page-table changes since the last call, ``[c, 3]`` int64 (slot, entry, page): the last
@@ -105,6 +104,7 @@ class PagePool:
         self.free = deque(range(1, self.num_pages))
         self.cached.clear()
         self.slot_pages = [[] for _ in self.slot_pages]
+        self.owned[:] = 0
         self._entries = []
 
     def _take(self) -> int:
@@ -117,6 +117,7 @@ class PagePool:
     def _append(self, slot: int, page: int) -> None:
         self._entries.append((slot, len(self.slot_pages[slot]), page))
         self.slot_pages[slot].append(page)
+        self.owned[slot] += 1
 
     def _note_peak(self) -> None:
         self.peak = max(self.peak, self.in_use)

@@ -151,22 +151,31 @@ class Scheduler:
         """Every running row gets pages for its committed length plus one block (what this step may
         write). When the pool cannot give them, the newest rows are preempted: they give their pages
         back and keep their slot and device state (sampling position, stop state), to be re-seated
-        (their K/V recomputed) when pages free up. Python runs over rows that need a page or are
-        preempted only (events)."""
+        (their K/V recomputed) when pages free up. The need is array code over the running rows;
+        Python runs only over rows that cross a page boundary or are preempted (events)."""
         slots = self._running()
-        if not len(slots):
-            return
-        wanted = [self.pool.pages_for(n + self.block_size) for n in self.table.committed(slots)]
-        need = {s: w - self.pool.owned(s) for s, w in zip(slots.tolist(), wanted)}  # SYNC: none (host numpy)
-        rows = sorted(need, key=lambda s: self.order[s])                     # oldest first
-        # The oldest row always fits: the pool holds one row at full length (checked by the engine).
-        while sum(max(n, 0) for n in need.values()) > self.pool.available() and len(rows) > 1:
-            newest = rows.pop()
-            del need[newest]
-            self._preempt(newest)
-        for slot, n in need.items():
-            if n > 0:
-                self.pool.grow(slot, self.pool.owned(slot) + n)
+        want = self.pool.pages_for(self.table.committed(slots) + self.block_size)
+        need = np.maximum(want - self.pool.owned[slots], 0)
+        if int(need.sum()) > self.pool.available() and len(slots) > 1:
+            kept = self._preempt_newest(slots, need)
+            slots, want, need = slots[kept], want[kept], need[kept]
+        grow = np.flatnonzero(need)
+        for slot, total in zip(slots[grow].tolist(), want[grow].tolist()):  # SYNC: none (host numpy)
+            self.pool.grow(slot, total)
+
+    def _preempt_newest(self, slots: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """Preempt the newest of ``slots`` until the others' ``need`` of pages fits the pool → a mask
+        of the rows kept. The oldest row always stays, and fits: the pool holds one row at full
+        length (checked by the engine)."""
+        kept = np.ones(len(slots), dtype=bool)
+        total = int(need.sum())
+        for i in np.argsort(self.order[slots])[:0:-1].tolist():   # newest first, all but the oldest
+            if total <= self.pool.available():
+                break
+            kept[i] = False
+            total -= int(need[i])
+            self._preempt(int(slots[i]))
+        return kept
 
     def _preempt(self, slot: int) -> None:
         """Take ``slot``'s pages back; it waits (first in line) to have its K/V recomputed."""
