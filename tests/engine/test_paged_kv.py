@@ -131,7 +131,7 @@ def test_rows_hold_pages_in_proportion_to_their_tokens(model):
         engine.add_request([i + 1] * n, SamplingParams(max_new_tokens=20, min_tokens=20), request_id=str(i))
     engine.step()
     want = [-(-(n + engine.block_size) // 16) for n in lengths]          # [1, 2, 3, 5]
-    assert [engine.scheduler.pool.owned(s) for s in range(4)] == want and engine.kv_pages.in_use == sum(want)
+    assert engine.scheduler.pool.owned.tolist() == want and engine.kv_pages.in_use == sum(want)
     pool = 3 * 128                                         # 3 rows at full length (120 + 4, in whole pages)
     many = OrthrusEngine(model, max_batch_size=12, max_seq_len=120, kv_cache_tokens=pool, prefix_cache=False)
     for i in range(12):

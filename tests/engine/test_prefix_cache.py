@@ -7,7 +7,7 @@ import pytest
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.engine.host.policy import AR, SpeculationPolicy, halving_block_sizes
-from orthrus.engine.host.prefix_cache import PrefixIndex, block_hashes
+from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex, block_hashes
 from support.tiny_models import hf_greedy, hf_twin, tiny_model
 
 PREFIX = np.random.default_rng(3).integers(1, 60, 37).tolist()   # no EOS (63) in any prompt
@@ -143,7 +143,6 @@ def test_static_shapes_never_reuse_freed_slots(model, static):
 
 
 def test_page_index_matches_whole_pages_checked_token_by_token():
-    from orthrus.engine.host.prefix_cache import PageIndex
     index = PageIndex(block=4)
     prompt = np.arange(1, 14, dtype=np.int64)                         # 3 whole pages + 1 token
     hashes = block_hashes(prompt, 4)
@@ -160,9 +159,9 @@ def test_page_index_matches_whole_pages_checked_token_by_token():
 
 def test_page_pool_counts_references_caches_indexed_pages_and_evicts_the_oldest():
     from orthrus.engine.host.pages import PagePool
-    named = {1, 2}
-    forgotten = []
-    pool = PagePool(5, 16, 3, 4, indexed=lambda p: p in named, forget=lambda p: (forgotten.append(p), named.discard(p)))
+    index, prompt = PageIndex(16), np.arange(1, 33)
+    index.add(prompt, block_hashes(prompt, 16), [1, 2])                # pages 1, 2 hold a prompt's two pages
+    pool = PagePool(5, 16, 3, 4, index)
     assert pool.grow(0, 2) == [1, 2] and pool.available() == 2
     pool.share(1, [1, 2])                                               # slot 1 shares slot 0's prompt pages
     pool.grow(1, 3)
@@ -171,7 +170,7 @@ def test_page_pool_counts_references_caches_indexed_pages_and_evicts_the_oldest(
     assert pool.refs[[1, 2]].tolist() == [1, 1] and pool.in_use == 3
     pool.release(1)                                                     # 1, 2 cached (named); 3 free
     assert list(pool.cached) == [2, 1] and list(pool.free) == [4, 3] and pool.in_use == 0 and pool.peak == 3
-    assert pool.grow(2, 3) == [4, 3, 2] and forgotten == [2]            # free first, then the oldest cached
+    assert pool.grow(2, 3) == [4, 3, 2] and 2 not in index and 1 in index   # free first, then the oldest cached
     entries = pool.take_entries()
     assert entries.shape[1] == 3 and len({(s, e) for s, e, _ in entries.tolist()}) == len(entries)
     assert [p for s, e, p in entries.tolist() if s == 0] == [0, 0]      # released: the null page

@@ -13,7 +13,7 @@ runner moves to the device in one copy.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +58,41 @@ class Seat:
     new: bool
 
 
+class PausedRows:
+    """Preempted rows waiting to be re-seated, in resume order (oldest admitted first), and a mask of
+    their slots. Kept in that order without sorting: a row is preempted only while it is the newest
+    running row, and no new request is seated while a row waits (re-seating comes first and
+    :meth:`PromptPlanner.plan` stops at the first seat that does not fit), so every paused row is
+    newer than every running one and a newly preempted row goes first in line."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.seats: OrderedDict[int, Seat] = OrderedDict()     # slot -> what re-seats it
+        self.mask = np.zeros(num_slots, dtype=bool)
+
+    def __len__(self) -> int:
+        return len(self.seats)
+
+    def push(self, seat: Seat) -> None:
+        """``seat``'s row was just preempted: first in line (see the class docstring)."""
+        self.seats[seat.slot] = seat
+        self.seats.move_to_end(seat.slot, last=False)
+        self.mask[seat.slot] = True
+
+    def pop(self, slot: int) -> None:
+        """``slot`` is re-seated or its request ended. Not paused: no-op."""
+        if self.seats.pop(slot, None) is not None:
+            self.mask[slot] = False
+
+    def slots(self) -> np.ndarray:
+        """The paused slots, ascending."""
+        return np.flatnonzero(self.mask)
+
+    def clear(self) -> None:
+        """No row waits."""
+        self.seats.clear()
+        self.mask[:] = False
+
+
 @dataclass(frozen=True)
 class PromptPlan:
     """How the first ``seated`` rows get their K/V (the rest wait: the pool is full): the two
@@ -99,7 +134,7 @@ class PromptPlanner:
         seated = computed = recomputed = 0
         for seat in seats:
             src = self._source(seat, fresh)
-            need = self.pool.pages_for(len(seat.tokens) + self.block)
+            need = int(self.pool.pages_for(len(seat.tokens) + self.block))
             if need - len(src.shared) > self.pool.available() - sum(p in self.pool.cached for p in src.shared):
                 break
             self.pool.share(seat.slot, src.shared)

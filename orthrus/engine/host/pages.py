@@ -17,27 +17,29 @@ Host only (numpy, no torch); every loop is bounded by the pages one call hands o
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 
 import numpy as np
+
+from orthrus.engine.host.prefix_cache import PageIndex
 
 NULL_PAGE = 0   # the device's null page (``model/cache.py``): never handed out
 
 
 class PagePool:
     """Pages ``1 … num_pages-1`` of ``page_size`` tokens, lent to ``num_slots`` slots of at most
-    ``pages_per_slot`` pages each. ``indexed(page)`` says whether the prefix index names a page (it
-    is then cached, not freed, when its last holder lets go) and ``forget(page)`` evicts it there."""
+    ``pages_per_slot`` pages each. A page the prefix ``index`` names is cached, not freed, when its
+    last holder lets go, and evicted there when the pool takes it back (None: no prefix cache)."""
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int, pages_per_slot: int,
-                 indexed: Callable[[int], bool] = lambda page: False,
-                 forget: Callable[[int], None] = lambda page: None) -> None:
+                 index: PageIndex | None = None) -> None:
         self.num_pages, self.page_size, self.pages_per_slot = num_pages, page_size, pages_per_slot
-        self.indexed, self.forget = indexed, forget
+        self.index = index
         self.refs = np.zeros(num_pages, dtype=np.int64)
         self.free: deque[int] = deque(range(1, num_pages))
         self.cached: OrderedDict[int, None] = OrderedDict()        # unreferenced, still indexed; oldest first
         self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
+        # len(slot_pages[s]) for every slot at once: the scheduler's per-step page need is array code
+        self.owned = np.zeros(num_slots, dtype=np.int64)
         self._entries: list[tuple[int, int, int]] = []             # (slot, entry, page) since the last take
         self.peak = 0
 
@@ -50,13 +52,9 @@ class PagePool:
         """Pages a request may take: free, or cached and evictable."""
         return len(self.free) + len(self.cached)
 
-    def pages_for(self, tokens: int) -> int:
-        """Pages that hold ``tokens`` positions (capped at a slot's table)."""
-        return min(-(-tokens // self.page_size), self.pages_per_slot)
-
-    def owned(self, slot: int) -> int:
-        """Pages ``slot`` holds."""
-        return len(self.slot_pages[slot])
+    def pages_for(self, tokens: np.ndarray | int) -> np.ndarray:
+        """Pages that hold ``tokens`` positions (capped at a slot's table), element by element."""
+        return np.minimum(-(-tokens // self.page_size), self.pages_per_slot)
 
     def share(self, slot: int, pages: list[int]) -> None:
         """Append ``pages`` (held by other rows, or cached) to ``slot``'s table, by reference."""
@@ -86,11 +84,12 @@ class PagePool:
         for page in reversed(pages):      # a prompt's last page is evicted before its first
             self.refs[page] -= 1
             if self.refs[page] == 0:
-                if self.indexed(page):
+                if self.index is not None and page in self.index:
                     self.cached[page] = None
                 else:
                     self.free.append(page)
         self.slot_pages[slot] = []
+        self.owned[slot] = 0
 
     def take_entries(self) -> np.ndarray:
         """The page-table changes since the last call, ``[c, 3]`` int64 (slot, entry, page): the last
@@ -105,18 +104,20 @@ class PagePool:
         self.free = deque(range(1, self.num_pages))
         self.cached.clear()
         self.slot_pages = [[] for _ in self.slot_pages]
+        self.owned[:] = 0
         self._entries = []
 
     def _take(self) -> int:
         if self.free:
             return self.free.popleft()
         page, _ = self.cached.popitem(last=False)     # the least recently released cached page
-        self.forget(page)
+        self.index.forget(page)                         # only indexed pages are ever cached
         return page
 
     def _append(self, slot: int, page: int) -> None:
         self._entries.append((slot, len(self.slot_pages[slot]), page))
         self.slot_pages[slot].append(page)
+        self.owned[slot] += 1
 
     def _note_peak(self) -> None:
         self.peak = max(self.peak, self.in_use)

@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from orthrus.engine.host.admission import PromptPlanner, Seat, slot_params
+from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, slot_params
 from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.policy import SpeculationPolicy, halving_block_sizes
@@ -49,12 +49,9 @@ class Scheduler:
         # The prefix cache (prefix_cache.py): whole prompt pages by hash, running slots by prompt.
         self.page_index = PageIndex(page_size) if prefix_cache else None
         self.prefix_index = PrefixIndex(page_size) if prefix_cache else None
-        index = self.page_index
-        self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size),
-                             indexed=(lambda p: p in index) if index is not None else (lambda p: False),
-                             forget=index.forget if index is not None else (lambda p: None))
+        self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size), self.page_index)
         self.planner = PromptPlanner(self.pool, self.page_index, self.prefix_index, self.capacity, block_size)
-        self.paused: dict[int, Seat] = {}             # preempted slots -> what re-seats them (oldest first)
+        self.paused = PausedRows(num_slots)          # preempted rows, what re-seats them (oldest first)
         self.order = np.zeros(num_slots, dtype=np.int64)   # when each slot's row was admitted (newest: largest)
         self._admissions = 0
         self.table = SlotTable(num_slots, block_size, max_seq_len, vocab_size)
@@ -112,8 +109,7 @@ class Scheduler:
         self._ended, self._aborted_slots = [], []
         self._make_room()
         adm = self._admit() if self.paused or (self.waiting and not self.table.busy_mask.all()) else None
-        paused = np.asarray(list(self.paused), dtype=np.int64)
-        slots = np.setdiff1d(self.table.occupied(), paused)
+        slots = self._running()
         remaining = self.table.remaining(slots)
         # (a constrained row's masks need its first token on the host: it sits its first step out;
         # so does one whose grammar failed at admission, which ends at the update)
@@ -123,7 +119,11 @@ class Scheduler:
         live = slots[~settle]
         it = self._iteration(live, int(remaining.max())) if len(live) else None
         return ScheduledStep(kill, adm, it, slots[settle], self.table.logprobs.width(slots), self.pool.take_entries(),
-                             paused)
+                             self.paused.slots())
+
+    def _running(self) -> np.ndarray:
+        """Occupied slots that are not paused (preempted), ascending."""
+        return np.flatnonzero(self.table.busy_mask & ~self.paused.mask)
 
     def _iteration(self, live: np.ndarray, remaining: int) -> Iteration:
         """One cycle or AR step over the ``live`` rows (``remaining``: the most tokens any occupied row may still take)."""
@@ -151,31 +151,41 @@ class Scheduler:
         """Every running row gets pages for its committed length plus one block (what this step may
         write). When the pool cannot give them, the newest rows are preempted: they give their pages
         back and keep their slot and device state (sampling position, stop state), to be re-seated
-        (their K/V recomputed) when pages free up. Python runs over rows that need a page or are
-        preempted only (events)."""
-        slots = np.setdiff1d(self.table.occupied(), np.asarray(list(self.paused), dtype=np.int64))
-        if not len(slots):
-            return
-        wanted = [self.pool.pages_for(n + self.block_size) for n in self.table.committed(slots)]
-        need = {s: w - self.pool.owned(s) for s, w in zip(slots.tolist(), wanted)}  # SYNC: none (host numpy)
-        rows = sorted(need, key=lambda s: self.order[s])                     # oldest first
-        # The oldest row always fits: the pool holds one row at full length (checked by the engine).
-        while sum(max(n, 0) for n in need.values()) > self.pool.available() and len(rows) > 1:
-            newest = rows.pop()
-            del need[newest]
-            self._preempt(newest)
-        for slot, n in need.items():
-            if n > 0:
-                self.pool.grow(slot, self.pool.owned(slot) + n)
+        (their K/V recomputed) when pages free up. The need is array code over the running rows;
+        Python runs only over rows that cross a page boundary or are preempted (events)."""
+        slots = self._running()
+        want = self.pool.pages_for(self.table.committed(slots) + self.block_size)
+        need = np.maximum(want - self.pool.owned[slots], 0)
+        if int(need.sum()) > self.pool.available() and len(slots) > 1:
+            kept = self._preempt_newest(slots, need)
+            slots, want, need = slots[kept], want[kept], need[kept]
+        grow = np.flatnonzero(need)
+        for slot, total in zip(slots[grow].tolist(), want[grow].tolist()):  # SYNC: none (host numpy)
+            self.pool.grow(slot, total)
+
+    def _preempt_newest(self, slots: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """Preempt the newest of ``slots`` until the others' ``need`` of pages fits the pool → a mask
+        of the rows kept. The oldest row always stays, and fits: the pool holds one row at full
+        length (checked by the engine)."""
+        kept = np.ones(len(slots), dtype=bool)
+        total = int(need.sum())
+        for i in np.argsort(self.order[slots])[:0:-1].tolist():   # newest first, all but the oldest
+            if total <= self.pool.available():
+                break
+            kept[i] = False
+            total -= int(need[i])
+            self._preempt(int(slots[i]))
+        return kept
 
     def _preempt(self, slot: int) -> None:
         """Take ``slot``'s pages back; it waits (first in line) to have its K/V recomputed."""
+        first = next(iter(self.paused.seats), None)
+        assert first is None or self.order[slot] < self.order[first], "a paused row is older than a running one"
         n = int(self.table.committed(np.asarray([slot]))[0])
         req = self.table.requests[slot]
         tokens = np.concatenate([req.prompt_ids, self.table.generated(slot)[: n - len(req.prompt)]])
         hashes = block_hashes(tokens, self.pool.page_size) if self.page_index is not None else []
-        self.paused[slot] = Seat(slot, tokens, hashes, new=False)
-        self.paused = dict(sorted(self.paused.items(), key=lambda kv: self.order[kv[0]]))
+        self.paused.push(Seat(slot, tokens, hashes, new=False))
         self.pool.release(slot)
         if self.prefix_index is not None:
             self.prefix_index.remove(slot)
@@ -190,14 +200,14 @@ class Scheduler:
         for r in waiting:
             if r.prefix_hashes is None:
                 r.prefix_hashes = block_hashes(r.prompt_ids, self.pool.page_size) if self.page_index is not None else []
-        seats = list(self.paused.values()) + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
-                                              for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
+        seats = list(self.paused.seats.values()) + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
+                                                    for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
         plan = self.planner.plan(seats)
         if plan.seated == 0:
             return None
         resumed = [s.slot for s in seats[: plan.seated] if not s.new]
         for slot in resumed:
-            del self.paused[slot]
+            self.paused.pop(slot)
         reqs = [self.waiting.popleft() for _ in range(plan.seated - len(resumed))]
         slots = free[: len(reqs)]
         now = time.perf_counter()
@@ -223,7 +233,6 @@ class Scheduler:
         it, rows = step.iteration, step.rows
         if it is not None:
             self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots), page_iterations=self.pool.in_use)
-            self.table.ran_dead[it.slots[~out.packed.alive[: len(it.slots)]]] = True
         rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
         if self.grammars.any(rows):
             self.grammars.advance(rows, self.table.generated)
@@ -260,7 +269,7 @@ class Scheduler:
         self.grammars.release(slot)
         # Its pages go back (whole prompt pages stay cached for later prompts sharing them).
         self.pool.release(slot)
-        self.paused.pop(slot, None)
+        self.paused.pop(slot)
         if self.prefix_index is not None:
             self.prefix_index.remove(slot)
         if hit is not None:

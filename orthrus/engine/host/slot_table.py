@@ -63,7 +63,6 @@ class SlotTable:
         self.drafted = np.zeros(num_slots, dtype=np.int64)
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
-        self.ran_dead = np.zeros(num_slots, dtype=bool)            # took part in an iteration after it ended
         # Reasoning rows: still in their phase (before their think end), and the iterations and
         # accepted drafts of that phase (RowStats.reasoning_tokens_per_cycle).
         self.think_end = -1
@@ -103,7 +102,6 @@ class SlotTable:
             self.requests[slot] = req
             req.slot = slot
         self.busy_mask[slots] = True
-        self.ran_dead[slots] = False
         for arr in (self.count, self.cycles, self.accepted, self.drafted, self.ar_steps, self.hist,
                     self.thinking_cycles, self.thinking_ar_steps, self.thinking_accepted):
             arr[slots] = 0
@@ -146,7 +144,6 @@ class SlotTable:
         self.tokens[np.broadcast_to(slots[:, None], cols.shape)[keep], cols[keep]] = out.emitted[keep]
         self.count[slots] += out.n_emit
         live = out.alive
-        self.ran_dead[slots[~live]] = True
         ended = out.reason != FinishReason.RUNNING
         # began this iteration in its reasoning phase (a first token, sampled before it, may have ended it)
         thinking = live & self.thinking[slots] & (out.first != self.think_end)
