@@ -230,11 +230,22 @@ class EngineKwargs(_Section):
         return self
 
 
+# engine.batch_size left unset: a call carries about this many new tokens (measured with
+# ``python -m jobs.bench short``: 1-token rows in 64-row calls ran at about half the bare engine's
+# rate, the rest being each call's cost around the engine), and never fewer than MIN_BATCH_ROWS rows.
+BATCH_TOKENS = 1024
+MIN_BATCH_ROWS = 64
+
+
 class EngineConfig(EngineKwargs):
     """How each replica runs the Orthrus engine, and how batches reach it."""
 
-    batch_size: int = Field(64, ge=1, description=(
-        "Rows handed to one actor call (Ray Data's batch)."))
+    batch_size: int | None = Field(None, ge=1, description=(
+        "Rows handed to one actor call (Ray Data's batch, and the unit the output commits). None = sized "
+        "by work: enough rows that a call carries about 1,024 new tokens at sampling.max_new_tokens -- 64 "
+        "rows at 16 or more new tokens, up to 1,024 rows at 1 -- because every call has a fixed cost "
+        "around the engine (a Ray task, its objects, the driver's bookkeeping) that short outputs would "
+        "otherwise pay every 64 rows."))
     max_concurrent_batches: int = Field(4, ge=1, description=(
         "Batches each replica holds at once, all feeding its one streaming engine, so its slots stay "
         "busy across batch boundaries; each batch still returns on its own when its rows are done."))
@@ -326,6 +337,13 @@ class JobConfig(_Section):
     audit: AuditConfig = Field(default_factory=AuditConfig, description="Lossless audit against plain AR.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description=(
         "Object-store settings for URIs (region, endpoint, anonymous access, model cache)."))
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows per actor call: ``engine.batch_size``, or sized by work (:data:`BATCH_TOKENS`)."""
+        if self.engine.batch_size is not None:
+            return self.engine.batch_size
+        return max(MIN_BATCH_ROWS, min(BATCH_TOKENS // self.sampling.max_new_tokens, BATCH_TOKENS))
 
 
 def _describe(err: ValidationError, source: str) -> str:

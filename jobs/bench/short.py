@@ -37,11 +37,13 @@ def short_rows(rows: int) -> pa.Table:
     return pa.table({"id": [f"q{i}" for i in range(rows)], "prompt": [f"def f{i}(x):" for i in range(rows)]})
 
 
-def job(config: str, model: str, inputs: Path, out: Path, slots: int, max_new: int, batch_size: int) -> dict:
+def job(config: str, model: str, inputs: Path, out: Path, slots: int, max_new: int, batch_size: int | None) -> dict:
     """The job on ``inputs`` → its run figures (``summary.json["run"]`` and the row counts)."""
     sets = ["prompt.chat_template=off", "sampling.stop=[]", f"sampling.max_new_tokens={max_new}",
-            f"engine.max_batch_size={slots}", f"engine.batch_size={batch_size}", "engine.speculative=true",
+            f"engine.max_batch_size={slots}", "engine.speculative=true",
             "engine.dtype=float32", "audit.fraction=0", f"input.paths=[{inputs}]", f"model.path={model}"]
+    # null: the job's default, rows per call sized by work (the demo config sets its own 32)
+    sets.append(f"engine.batch_size={'null' if batch_size is None else batch_size}")
     summary = run_job(config, sets, out)
     run = summary["run"]
     busy = sum(a["busy_seconds"] for a in run["actors"])
@@ -112,7 +114,8 @@ def add_args(ap) -> None:
     """The short workload's own arguments (1 new token by default)."""
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--slots", type=int, default=64, help="engine.max_batch_size, and the bare engine's slots")
-    ap.add_argument("--batch-size", type=int, default=64, help="engine.batch_size (rows per actor call)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="engine.batch_size (rows per actor call); default: the job's own (sized by work)")
     ap.add_argument("--row-group", type=int, default=2000, help="input row-group size (one read task each)")
     ap.set_defaults(max_new_tokens=1)
 

@@ -28,7 +28,7 @@ def job_processor(config: JobConfig, placement: Placement) -> OrthrusProcessorCo
     """The processor settings of a job: the same generation a user's pipeline gets."""
     thinking = config.prompt.enable_thinking
     return OrthrusProcessorConfig(
-        model_source=config.model.path, model_revision=config.model.revision, batch_size=config.engine.batch_size,
+        model_source=config.model.path, model_revision=config.model.revision, batch_size=config.batch_rows,
         concurrency=placement.replicas, max_concurrent_batches=config.engine.max_concurrent_batches,
         resources_per_bundle={"CPU": placement.cpus_per_replica, "GPU": placement.gpus_per_replica},
         apply_chat_template={"on": True, "off": False, "auto": "auto"}[config.prompt.chat_template],
@@ -59,7 +59,7 @@ def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pendi
     # of every read finishing before the first row is tokenized. The job's rows and their prepare
     # step are one call, so each row's SamplingParams is built once (the processor skips its own).
     ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow",
-                        batch_size=max(PREPARE_ROWS, config.engine.batch_size))
+                        batch_size=max(PREPARE_ROWS, config.batch_rows))
     options = StageOptions(batch_records=True, keep_inputs=False, prepared=True, stage_cls=stage_cls,
                            stage_kwargs=tuple(stage_kwargs.items()))
     return generate(ds, job_processor(config, placement), options)

@@ -104,3 +104,11 @@ def test_cli_rejects_bad_config_before_anything_runs(tmp_path, capsys):
     assert "sampling.top_p" in capsys.readouterr().err
     assert main(["--config", str(f), "--resume", "--overwrite"]) == 2
     assert "mutually exclusive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_new, rows", [(1, 1024), (3, 341), (4, 256), (16, 64), (64, 64), (4096, 64)])
+def test_rows_per_call_are_sized_by_work_unless_set(max_new, rows):
+    base = {"input": {"paths": ["x"]}, "output": {"path": "y"}, "model": {"path": "m"},
+            "sampling": {"max_new_tokens": max_new}}
+    assert load_config(None, data=base).batch_rows == rows
+    assert load_config(None, data={**base, "engine": {"batch_size": 7}}).batch_rows == 7
