@@ -165,7 +165,7 @@ def _samples(batch: pa.Table, rows: np.ndarray, samples: np.ndarray, ids: list[s
              ) -> RowSampling:
     """Each pending sample's SamplingParams (its row's settings with the sample's own seed) or error."""
     settings = _RowSettings(batch, plan)
-    seeds = values(batch, "seed")
+    seeds = values(batch, "seed") if "seed" in plan.inputs.override_columns else [None] * batch.num_rows
     params: list[SamplingParams | None] = []
     errors: list[str | None] = []
     fields: list[str | None] = []
