@@ -237,7 +237,33 @@ BATCH_TOKENS = 1024
 MIN_BATCH_ROWS = 64
 
 
-class EngineConfig(EngineKwargs):
+# The prepare stage works on windows of at least this many rows: large enough that a task's overhead
+# is small next to its tokenization (and prefix grouping has rows to order), small enough that the
+# first batches reach the actors early.
+PREPARE_ROWS = 1024
+
+
+class GroupingFields(_Section):
+    """Prefix grouping (``pipeline/requests/grouping.py``), the same two fields in the job's engine
+    section and in the processor's config."""
+
+    prefix_grouping: bool = Field(True, description=(
+        "Order each prepared window of rows by prompt token ids (ties by input position, error rows last) "
+        "before it is cut into batches, so rows that share a prefix (a system prompt, a few-shot block, a "
+        "document with many questions) reach an actor together and meet in its prefix cache. Output, "
+        "seeds and exactly-once are unaffected (rows keep their coordinates). The processor leaves "
+        "order alone when the DataContext asks to preserve it."))
+    prefix_grouping_rows: int | None = Field(None, ge=1, description=(
+        "The window: rows prepared (tokenized and ordered) together in one task. None = the prepare "
+        "batch, max(1024, batch size). Larger windows group more rows; each window is one task's work "
+        "before its first row reaches an actor."))
+
+    def prepare_window(self, batch_rows: int) -> int:
+        """Rows per prepare task (the grouping window)."""
+        return self.prefix_grouping_rows or max(PREPARE_ROWS, batch_rows)
+
+
+class EngineConfig(EngineKwargs, GroupingFields):
     """How each replica runs the Orthrus engine, and how batches reach it."""
 
     batch_size: int | None = Field(None, ge=1, description=(

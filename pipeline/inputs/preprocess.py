@@ -22,6 +22,8 @@ import pyarrow.compute as pc
 from orthrus import Constraint, SamplingParams
 from orthrus.constraints import parse_constraint
 from pipeline.config import ModelConfig, PromptConfig, SamplingConfig, StorageConfig
+from pipeline.output.prefix_ideal import with_sketch
+from pipeline.requests.request import REQUEST, prompt_ids
 from pipeline.requests.prepare import PreparePlan, RowSampling, prepare_rows, values
 from pipeline.requests.sampling_fields import (BY_ENGINE, FIELDS, Settings, as_int, build, frozen, parse, reseed,
                                               stop_with_structured)
@@ -45,11 +47,12 @@ class PreprocessPlan:
     prompt: PromptConfig
     sampling: SamplingConfig
     storage: StorageConfig = StorageConfig()
+    group: bool = False                # engine.prefix_grouping
 
     @property
     def prepare(self) -> PreparePlan:
         """The processor's prepare plan for this job."""
-        return PreparePlan(self.model, self.storage, ChatTemplate.of(self.prompt), keep_inputs=False)
+        return PreparePlan(self.model, self.storage, ChatTemplate.of(self.prompt), keep_inputs=False, group=self.group)
 
 
 def derive_seed(base: int, row_id: str, sample_index: int) -> int:
@@ -219,4 +222,5 @@ def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
     processor's prepare stage, in one call, so each row's SamplingParams is built once (the job's
     dataset runs it as its one preprocessing operator; the processor's own prepare map is skipped)."""
     rows = job_rows(batch, plan)
-    return prepare_rows(rows.table, plan.prepare, rows.sampling)
+    table = prepare_rows(rows.table, plan.prepare, rows.sampling)
+    return with_sketch(table, prompt_ids(table[REQUEST]))      # the run's ideal prefill (summary.json)

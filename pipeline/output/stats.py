@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.output import prefix_ideal
 
 STATS_KEY = b"orthrus.stats"
 EXAMPLES = 5
@@ -120,15 +121,18 @@ def _audit(table: pa.Table) -> dict:
 
 
 def prefill_of_block(block: pa.Table) -> dict | None:
-    """The engine counts (:data:`PREFILL_FROM`) summed over a block's batch records, and the page
-    pool's size and peak (:data:`KV_MAX_FROM`, the largest); None when no record carries engine
-    counters (a stand-in stage)."""
+    """The engine counts (:data:`PREFILL_FROM`) summed over a block's batch records, the page
+    pool's size and peak (:data:`KV_MAX_FROM`, the largest), and under ``ideal`` the block's share
+    of the run's ideal prefill (``prefix_ideal.of_block``); None when the block carries neither (a
+    stand-in stage)."""
+    ideal = prefix_ideal.of_block(block)
+    out: dict = {} if ideal is None else {"ideal": ideal}
     if S.BATCH not in block.column_names or "since" not in block[S.BATCH].type.names:
-        return None
+        return out or None
     since = pc.struct_field(block[S.BATCH], "since")
     if not pc.count(since).as_py():
-        return None
-    out = {key: _sum(pc.struct_field(since, counter)) for key, counter in PREFILL_FROM.items()}
+        return out or None
+    out.update({key: _sum(pc.struct_field(since, counter)) for key, counter in PREFILL_FROM.items()})
     if "kv_pages" in block[S.BATCH].type.names:
         kv = pc.struct_field(block[S.BATCH], "kv_pages")
         out.update({key: pc.max(pc.struct_field(kv, f)).as_py() for key, f in KV_MAX_FROM.items()})
@@ -136,13 +140,16 @@ def prefill_of_block(block: pa.Table) -> dict | None:
 
 
 def _add_prefill(a: dict | None, b: dict | None) -> dict | None:
-    """Two engine aggregates: counts add, pool figures keep the largest (keys a footer lacks: absent)."""
+    """Two engine aggregates: counts add, pool figures keep the largest, the ideal's shares merge
+    (keys a footer lacks: absent)."""
     if a is None or b is None:
         return a or b
     out = {}
     for name in a.keys() | b.keys():
         x, y = a.get(name), b.get(name)
-        if name in KV_MAX_FROM:
+        if name == "ideal":
+            out[name] = prefix_ideal.merge(x, y)
+        elif name in KV_MAX_FROM:
             out[name] = max((v for v in (x, y) if v is not None), default=None)
         else:
             out[name] = (x or 0) + (y or 0)

@@ -19,9 +19,6 @@ from pipeline.requests.prepare import PreparePlan, prepare_batch
 from pipeline.requests.prompts import ChatTemplate
 
 RowFn = Callable[[dict[str, Any]], dict[str, Any]]
-# The prepare stage works on batches of this many rows: large enough that a task's overhead is
-# small next to its tokenization, small enough that the first batches reach the actors early.
-PREPARE_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,14 @@ def prepare_plan(config: OrthrusProcessorConfig, options: StageOptions = StageOp
     use = {True: "on", False: "off", "auto": "auto"}[config.apply_chat_template]
     kwargs = tuple(sorted((config.chat_template_kwargs or {}).items()))
     return PreparePlan(config.model, config.storage, ChatTemplate(use, config.chat_template, kwargs), config.tokenize,
-                       options.keep_inputs)
+                       options.keep_inputs, group=grouping_on(config))
+
+
+def grouping_on(config: OrthrusProcessorConfig) -> bool:
+    """Prefix grouping, unless the user's DataContext asks Ray Data to preserve row order."""
+    import ray.data
+
+    return config.prefix_grouping and not ray.data.DataContext.get_current().execution_options.preserve_order
 
 
 def stage_plan(config: OrthrusProcessorConfig, options: StageOptions) -> StagePlan:
@@ -66,7 +70,7 @@ def generate(ds, config: OrthrusProcessorConfig, options: StageOptions = StageOp
     with ``options.prepared``); the lazy result."""
     if not options.prepared:
         ds = ds.map_batches(prepare_batch, fn_kwargs={"plan": prepare_plan(config, options)}, batch_format="pyarrow",
-                            batch_size=max(PREPARE_ROWS, config.batch_size))
+                            batch_size=config.prepare_window(config.batch_size))
     # Re-cut into batch-sized blocks so work spreads over the actors and each finished batch
     # leaves the pool while the rest run.
     ds = ds.repartition(target_num_rows_per_block=config.batch_size)

@@ -9,10 +9,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from pipeline.config import AuditConfig, ConfigError, EngineKwargs, ModelConfig, StorageConfig, _describe, _Section
+from pipeline.config import (AuditConfig, ConfigError, EngineKwargs, GroupingFields, ModelConfig, StorageConfig,
+                             _describe)
 
 
-class OrthrusProcessorConfig(_Section):
+class OrthrusProcessorConfig(GroupingFields):
     """How ``build_orthrus_processor`` generates: the model, its replicas, prompts, and the engine."""
 
     model_source: str = Field(min_length=1, description=(

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 
 from orthrus.metrics import acceptance_by_position, tokens_per_cycle
 from pipeline.output import stats as St
+from pipeline.output.prefix_ideal import ideal_computed_tokens
 from pipeline.output.stats import prefix_cache_hit_rate
 from pipeline.output.directory import SUMMARY_JSON, SUMMARY_PNG, OutputDir
 from pipeline.schema import key_strings
@@ -38,11 +39,13 @@ def package_versions() -> dict[str, str | None]:
 
 def _prefill(prefill: dict | None) -> dict:
     """``summary.json["prefill"]``: the engines' prompt tokens computed and shared (None: unknown)."""
-    if prefill is None:
-        return {"computed_tokens": None, "prefix_cache_hit_tokens": None, "prefix_cache_hit_rate": None}
-    computed, hits = prefill["computed_tokens"], prefill["prefix_cache_hit_tokens"]
+    prefill = prefill or {}
+    computed, hits = prefill.get("computed_tokens"), prefill.get("prefix_cache_hit_tokens")
     return {"computed_tokens": computed, "prefix_cache_hit_tokens": hits,
-            "prefix_cache_hit_rate": prefix_cache_hit_rate(computed, hits)}
+            "prefix_cache_hit_rate": None if computed is None else prefix_cache_hit_rate(computed, hits),
+            # each prompt less the whole pages it shares with its predecessor in the run's sorted
+            # order: what a perfect row order would compute (output/prefix_ideal.py; ~2% error)
+            "ideal_computed_tokens": ideal_computed_tokens(prefill.get("ideal"), prefill.get("kv_page_size"))}
 
 
 def _kv_cache(engine: dict | None) -> dict:
@@ -199,9 +202,11 @@ def _kv_line(kv: dict | None) -> list[str]:
 def _prefill_line(prefill: dict | None) -> list[str]:
     if not prefill or prefill["computed_tokens"] is None:
         return []
+    ideal = prefill.get("ideal_computed_tokens")
     return [f"  prefill        {prefill['computed_tokens']:,} prompt tokens computed, "
             f"{prefill['prefix_cache_hit_tokens']:,} shared by the prefix cache "
-            f"({_fmt(prefill['prefix_cache_hit_rate'] and 100 * prefill['prefix_cache_hit_rate'], '.0f')}% hits)"]
+            f"({_fmt(prefill['prefix_cache_hit_rate'] and 100 * prefill['prefix_cache_hit_rate'], '.0f')}% hits)"
+            + ("" if ideal is None else f"; {ideal:,} in the ideal order")]
 
 
 def _slots(run: dict, spec: dict) -> str:

@@ -21,6 +21,7 @@ import pyarrow as pa
 from orthrus import SamplingParams
 from pipeline.config import ModelConfig, StorageConfig
 from pipeline.requests.errors import ERROR, RowError, row_error
+from pipeline.requests.grouping import group_rows
 from pipeline.requests.prompts import ChatTemplate, InvalidText, format_prompt
 from pipeline.requests.request import REQUEST, to_arrow
 from pipeline.requests.request_keys import check_keys
@@ -44,6 +45,7 @@ class PreparePlan:
     template: ChatTemplate
     tokenize: bool = True
     keep_inputs: bool = True   # False (the job): drop prompt/messages/sampling_params once they are a request
+    group: bool = False        # True: the window's rows leave in prefix-grouping order (``grouping.py``)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
@@ -220,7 +222,8 @@ def prepare_batch(batch: pa.Table, plan: PreparePlan) -> pa.Table:
 
 def prepare_rows(batch: pa.Table, plan: PreparePlan, sampling: RowSampling) -> pa.Table:
     """Rows whose sampling is already built -> the same rows with ``__request``,
-    ``num_input_tokens``, ``seed`` and ``error``: constraints compiled, prompts formatted and tokenized."""
+    ``num_input_tokens``, ``seed`` and ``error``: constraints compiled, prompts formatted and tokenized
+    (and, with ``plan.group``, reordered by prompt tokens)."""
     params, errors = sampling.params, list(sampling.errors)
     tokenizer = load_tokenizer(resolve_model_dir(plan.model, plan.storage, weights=False))
     for i, p in enumerate(params):    # a constraint that does not compile: the row's error, before an actor
@@ -241,4 +244,4 @@ def prepare_rows(batch: pa.Table, plan: PreparePlan, sampling: RowSampling) -> p
     table = batch.drop_columns([c for c in drop if c in batch.column_names])
     for name, column in cols.items():
         table = table.append_column(name, column)
-    return table
+    return group_rows(table) if plan.group else table

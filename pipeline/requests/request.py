@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from orthrus import SamplingParams
 from orthrus.constraints import parse_constraint
@@ -47,6 +48,15 @@ class Requests:
 
     def __len__(self) -> int:
         return len(self.params)
+
+
+def prompt_ids(column: pa.Array | pa.ChunkedArray) -> pa.ListArray:
+    """The request column's prompts as one list array, null where the request is null (a struct's
+    child ignores the struct's validity; ``pc.struct_field`` does not)."""
+    col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(col, pa.ChunkedArray):     # no chunks: an empty batch
+        return pa.array([], pa.list_(pa.int32()))
+    return pc.struct_field(col, "prompt_token_ids")
 
 
 _SETTINGS = tuple(f for f in FIELDS if f.engine != "seed")    # shared by a job's rows; the seed is not

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pipeline.config import EngineKwargs, JobConfig
 from pipeline.actor.faults import stage_for
 from pipeline.actor.stage import GenerationStage
-from pipeline.processor.build import PREPARE_ROWS, StageOptions, generate
+from pipeline.processor.build import StageOptions, generate
 from pipeline.processor.config import OrthrusProcessorConfig
 from pipeline.inputs.plan import InputPlan
 from pipeline.inputs.source import make_datasource
@@ -29,6 +29,7 @@ def job_processor(config: JobConfig, placement: Placement) -> OrthrusProcessorCo
     thinking = config.prompt.enable_thinking
     return OrthrusProcessorConfig(
         model_source=config.model.path, model_revision=config.model.revision, batch_size=config.batch_rows,
+        prefix_grouping=config.engine.prefix_grouping, prefix_grouping_rows=config.engine.prefix_grouping_rows,
         concurrency=placement.replicas, max_concurrent_batches=config.engine.max_concurrent_batches,
         resources_per_bundle={"CPU": placement.cpus_per_replica, "GPU": placement.gpus_per_replica},
         apply_chat_template={"on": True, "off": False, "auto": "auto"}[config.prompt.chat_template],
@@ -54,12 +55,12 @@ def build_dataset(config: JobConfig, inputs: InputPlan, pending: dict[str, Pendi
     stage_cls, stage_kwargs = stage_for(stage_cls)    # test-only faults; a malformed spec fails here
     ds = ray.data.read_datasource(make_datasource(inputs, pending, config.sampling.n))
     pre = PreprocessPlan(inputs=inputs, model=config.model, prompt=config.prompt, sampling=config.sampling,
-                         storage=config.storage)
+                         storage=config.storage, group=config.engine.prefix_grouping)
     # Straight after the read (no repartition between): reads and tokenization interleave instead
     # of every read finishing before the first row is tokenized. The job's rows and their prepare
     # step are one call, so each row's SamplingParams is built once (the processor skips its own).
     ds = ds.map_batches(preprocess_batch, fn_kwargs={"plan": pre}, batch_format="pyarrow",
-                        batch_size=max(PREPARE_ROWS, config.batch_rows))
+                        batch_size=config.engine.prepare_window(config.batch_rows))
     options = StageOptions(batch_records=True, keep_inputs=False, prepared=True, stage_cls=stage_cls,
                            stage_kwargs=tuple(stage_kwargs.items()))
     return generate(ds, job_processor(config, placement), options)
