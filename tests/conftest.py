@@ -99,6 +99,17 @@ def head():
 
 
 @pytest.fixture
+def driver(head, monkeypatch):
+    """This test process as a job's driver, connected to the module's head."""
+    import ray
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_ADDRESS", head["gcs"])
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
 def weightless_model(tmp_path) -> Path:
     """Tokenizer + config.json but no weights: preflight must never need the weights."""
     d = tmp_path / "model"

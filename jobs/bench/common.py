@@ -25,7 +25,7 @@ RESULTS = "bench-results"
 # workload → its module (imported only when it runs: several need the job's stack)
 WORKLOADS = {"speed": "speed", "logprobs": "logprobs", "vocab": "vocab", "prefix": "prefix", "ab": "ab",
              "structured": "structured", "short": "short", "scale": "scale", "storage": "storage",
-             "reasoning": "reasoning", "paged": "paged"}
+             "reasoning": "reasoning", "paged": "paged", "prefix_grouping": "prefix_grouping"}
 DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only WORKLOAD: the same).
 
     speed       (default) Orthrus vs our AR mode vs transformers generate, per batch size; on CPU
@@ -36,6 +36,7 @@ DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only W
     scale       the job around the engine at scale  storage     the job on local disk vs S3 on loopback
     reasoning   thinking on with a JSON schema: speculative ÷ AR, constrained ÷ free
     paged       the paged KV cache: rows in flight at a fixed pool vs the static layout's
+    prefix_grouping  rows ordered by prompt tokens (per window, global) vs shuffled: prefill vs the ideal
 
 Results: bench-results/<workload>.json (--out to write elsewhere); speed also bench-results/speed.png.
 python -m jobs.bench WORKLOAD --help lists that workload's own options.

@@ -28,17 +28,6 @@ LAYOUT = {"data", "_tmp", "_job.json", "summary.json", "summary.png"}     # a ru
 COMPLETE = LAYOUT | {"_SUCCESS"}                                          # a complete one
 
 
-@pytest.fixture
-def driver(head, monkeypatch):
-    """This test process as the job's driver, connected to the module's head."""
-    import ray
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setenv("RAY_ADDRESS", head["gcs"])
-    yield
-    ray.shutdown()
-
-
 def _job(tmp_path: Path, model: Path, **sections) -> Path:
     # a part per batch (not one at the 60 s default), so a kill mid-run finds some committed
     cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(tmp_path / "out"), "part_bytes": 1},
