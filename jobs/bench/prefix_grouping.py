@@ -266,14 +266,14 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
     common.set_threads(args)
     if args.window >= args.rows:
-        raise SystemExit(f"--window ({args.window}) must be smaller than --rows ({args.rows}), or it is the global sort")
+        raise SystemExit(f"--window {args.window} must be below --rows {args.rows} (else it is the global order)")
     start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(args.model)
     model = common.load_model(args.model)
     spec = {"true": True, "false": False, "auto": "auto"}[args.speculative]
     tails = tuple(int(x) for x in args.tail_tokens.split(","))
-    build = lambda p, n: grouping_workload(tok, args.prompts, p, n, args.template_tokens, tails, args.seed)  # noqa: E731
-    run_arm(model, [[1, 2, 3]] * 4, list(range(4)), True, 2, 2, spec)          # torch's first-call costs, untimed
+    build = lambda p, n: grouping_workload(tok, args.prompts, p, n, args.template_tokens, tails, args.seed)  # noqa
+    run_arm(model, [[1, 2, 3]] * 4, list(range(4)), True, 2, 2, spec)     # torch's first-call costs, untimed
     report: dict = {"model": args.model, "threads": torch.get_num_threads(), "rows": args.rows, "window": args.window,
                     "slots": args.slots, "max_new_tokens": args.max_new_tokens, "speculative": spec,
                     "reps": args.reps, "page": PAGE, "by_templates": {}}

@@ -80,6 +80,28 @@ def test_bench_prefix_reports_cache_and_short_outputs(tmp_path):
         assert cell["tokens_identical"] is True and cell["speculative_over_ar"] > 0
 
 
+
+def test_bench_prefix_grouping_reports_arms_against_the_ideal(tmp_path):
+    out = tmp_path / "prefix_grouping.json"
+    bench.main(["prefix_grouping", "--templates", "1,4", "--rows", "16", "--window", "8", "--template-tokens", "120",
+                "--slots", "2", "--max-new-tokens", "4", "--sort-rows", "32", "--no-job",
+                "--model", MODEL, "--prompts", SHARDS, "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["by_templates"]) == {"1", "4"} and report["window"] == 8 < report["rows"] == 16
+    for cell in report["by_templates"].values():
+        assert cell["rows"] == 16 and cell["completions_identical"] is True     # else main raised
+        assert 0 < cell["template_tokens_mean"] <= 120 and cell["template_prefix_intact"] == 1.0
+        arms = cell["arms"]
+        assert set(arms) == {"unsorted", "window", "global", "cache_off"}
+        assert arms["cache_off"]["computed_tokens"] == cell["prompt_tokens"] and arms["cache_off"]["hit_tokens"] == 0
+        # sorting never computes more; the whole-page ideal is beaten only by partial pages copied from running rows
+        assert arms["global"]["computed_tokens"] <= arms["unsorted"]["computed_tokens"] <= cell["prompt_tokens"]
+        assert arms["global"]["computed_tokens"] <= 1.1 * cell["ideal_computed_tokens"]
+        assert all(a["rows_per_s"] > 0 and a["computed_over_ideal"] > 0 for a in arms.values())
+    one = report["by_templates"]["1"]
+    assert one["ideal_computed_tokens"] < one["prompt_tokens"] / 2                  # one template: mostly shared
+    assert report["sort_cost"]["rows"] == 32 and report["sort_cost"]["median_ms"] > 0
+
 def test_bench_ab_loads_the_engine_at_a_ref_next_to_the_working_tree(tmp_path):
     import subprocess
 
