@@ -44,7 +44,9 @@ def _prefill(prefill: dict | None) -> dict:
     return {"computed_tokens": computed, "prefix_cache_hit_tokens": hits,
             "prefix_cache_hit_rate": None if computed is None else prefix_cache_hit_rate(computed, hits),
             # each prompt less the whole pages it shares with its predecessor in the run's sorted
-            # order: what a perfect row order would compute (output/prefix_ideal.py; ~2% error)
+            # order: what a perfect row order computes when only whole pages are shared
+            # (output/prefix_ideal.py; ~2% error). Not a lower bound: a row still running the same
+            # prefix also lends its partial page, so a sorted run can compute a little less.
             "ideal_computed_tokens": ideal_computed_tokens(prefill.get("ideal"), prefill.get("kv_page_size"))}
 
 
