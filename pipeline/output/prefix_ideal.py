@@ -106,10 +106,10 @@ def of_block(block: pa.Table) -> dict | None:
     out: dict = {"prompt_tokens": int(lengths.sum())}
     for page in PAGES:
         out[f"shareable_pages_{page}"] = int(((lengths - 1) // page).clip(min=0).sum())
-        regs = np.zeros(REGISTERS, np.uint8)
-        for raw in pc.struct_field(block[SKETCH], f"pages_{page}").drop_null().to_pylist():
-            np.maximum(regs, np.frombuffer(raw, np.uint8), out=regs)
-        out[f"sketch_{page}"] = base64.b64encode(regs.tobytes()).decode()
+        sketches = pc.struct_field(block[SKETCH], f"pages_{page}").drop_null().to_pylist()
+        if sketches:    # most blocks carry none (one per window): no registers to encode and merge
+            regs = np.maximum.reduce([np.frombuffer(raw, np.uint8) for raw in sketches])
+            out[f"sketch_{page}"] = base64.b64encode(regs.tobytes()).decode()
     return out
 
 

@@ -53,10 +53,13 @@ class Requests:
 def prompt_ids(column: pa.Array | pa.ChunkedArray) -> pa.ListArray:
     """The request column's prompts as one list array, null where the request is null (a struct's
     child ignores the struct's validity; ``pc.struct_field`` does not)."""
+    return pc.struct_field(_one_array(column), "prompt_token_ids")
+
+
+def _one_array(column: pa.Array | pa.ChunkedArray) -> pa.StructArray:
+    """The request column as one array (an empty batch's column has no chunks to combine)."""
     col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if isinstance(col, pa.ChunkedArray):     # no chunks: an empty batch
-        return pa.array([], pa.list_(pa.int32()))
-    return pc.struct_field(col, "prompt_token_ids")
+    return pa.array([], REQUEST_TYPE) if isinstance(col, pa.ChunkedArray) else col
 
 
 _SETTINGS = tuple(f for f in FIELDS if f.engine != "seed")    # shared by a job's rows; the seed is not
@@ -68,9 +71,7 @@ def read_requests(column: pa.Array | pa.ChunkedArray) -> Requests:
     Rows of a job share their settings except the seed, so each distinct setting builds (and
     validates) one SamplingParams, and each row takes it with its own seed (``with_seed``).
     """
-    col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if isinstance(col, pa.ChunkedArray):          # no chunks at all: an empty batch
-        col = pa.array([], REQUEST_TYPE)
+    col = _one_array(column)
     valid = col.is_valid().to_numpy(zero_copy_only=False)
     fields = {f.vllm: col.field(f.vllm).to_pylist() for f in FIELDS}
     ids = col.field("prompt_token_ids")
