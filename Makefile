@@ -28,9 +28,10 @@ qwen3-tokenizer-or-warn:
 test: $(STAMP) qwen3-tokenizer-or-warn
 	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests
 
-# The fast tiers (unit + engine, no slow marks): the edit-test loop, about a minute.
+# The fast tiers (unit + engine, no slow marks): the edit-test loop, under a minute. Two xdist
+# workers (this project's machines have 2 cores): 37 s instead of 74 s; the tests share no state.
 test-fast: $(STAMP) qwen3-tokenizer-or-warn
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not slow" tests/unit tests/engine
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 -m "not slow" tests/unit tests/engine
 
 run: $(STAMP)
 	$(PY) -m jobs.generate --config $(CONFIG) $(ARGS)
