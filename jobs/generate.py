@@ -29,7 +29,8 @@ import os
 import sys
 
 from pipeline.run.cluster import connect
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError
+from pipeline.config_file import load_config
 from pipeline.run.job import preflight, run, take_lease
 from pipeline.run.crash import crash_message, refusal_message
 from pipeline.output.directory import OutputWriteError

@@ -129,7 +129,7 @@ def stop_string_waste(config_path: str) -> dict:
     completed a stop string, summed. Greedy, so both runs decode the same sequence up to the stop."""
     from transformers import AutoTokenizer
 
-    from pipeline.config import load_config
+    from pipeline.config_file import load_config
     from pipeline.run.job import preflight
     from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
     from pipeline.inputs.source import read_file
@@ -197,7 +197,8 @@ def audit_overhead(model_dir: str, prompts_dir: str, rows: int = 64, max_new_tok
                    fractions: tuple[float, ...] = (0.0, 0.05, 1.0), slots: int = 8) -> dict:
     """Median batch seconds per audit fraction, and each one's ratio to no audit."""
     from pipeline.actor.stage import GenerationStage, StagePlan
-    from pipeline.config import AuditConfig, load_config
+    from pipeline.config import AuditConfig
+    from pipeline.config_file import load_config
     from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
     from pipeline.inputs.source import read_file
     from pipeline.run.job import preflight

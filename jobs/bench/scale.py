@@ -116,7 +116,7 @@ def _instrument(job, seen: dict) -> None:
 def driver(spawned: float, config: dict) -> int:
     """Preflight, lease and run with :class:`NullStage`; print one JSON line → exit status."""
     import pipeline.run.job as job
-    from pipeline.config import load_config
+    from pipeline.config_file import load_config
     from pipeline.run.cluster import connect
 
     seen: dict = {"imported": time.time() - spawned}     # the job's modules (torch, Ray) loaded

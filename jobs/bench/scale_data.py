@@ -91,7 +91,7 @@ def finished_rows(file: int, rows: np.ndarray, model: str = MODEL) -> pa.Table:
 def write_committed(inputs: Path, dest: Path, left: int = 1000) -> Path:
     """A committed output of ``inputs`` with only the last ``left`` rows of the last file missing
     (reused when already complete; copy it before resuming into it)."""
-    from pipeline.config import load_config
+    from pipeline.config_file import load_config
     from pipeline.output.directory import OutputDir
     from pipeline.output.parts import PartWriter
     from pipeline.inputs.plan import inspect_inputs

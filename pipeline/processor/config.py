@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from pipeline.config import (AuditConfig, ConfigError, EngineKwargs, GroupingFields, ModelConfig, StorageConfig,
-                             _describe)
+                             describe_errors)
 
 
 class OrthrusProcessorConfig(GroupingFields):
@@ -78,4 +78,4 @@ def processor_config(data: dict[str, Any] | OrthrusProcessorConfig) -> OrthrusPr
     try:
         return OrthrusProcessorConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, "OrthrusProcessorConfig")) from None
+        raise ConfigError(describe_errors(e, "OrthrusProcessorConfig")) from None

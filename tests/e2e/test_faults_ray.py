@@ -87,7 +87,7 @@ def _bad_input_shards(d: Path) -> dict[str, str | None]:
 
 def test_bad_inputs_and_oom_end_to_end_rows_in_equal_rows_out(driver, tiny_orthrus_dir, tmp_path, monkeypatch):
     from pipeline.run.cluster import connect
-    from pipeline.config import load_config
+    from pipeline.config_file import load_config
     from pipeline.run.job import preflight, run
 
     expected = _bad_input_shards(tmp_path / "in")

@@ -232,7 +232,7 @@ def test_actor_death_is_retried_without_duplicates(head, tiny_orthrus_dir, tmp_p
     import ray
     from ray import cloudpickle
 
-    from pipeline.config import load_config
+    from pipeline.config_file import load_config
     from pipeline.run.job import preflight, run
     from pipeline.actor.stage import GenerationStage
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config_file import load_config
 from pipeline.inputs.plan import inspect_inputs
 from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.inputs.source import read_file

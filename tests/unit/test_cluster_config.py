@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import load_config
+from pipeline.config_file import load_config
 from support.paths import REPO
 
 

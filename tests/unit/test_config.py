@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jobs.generate import main
-from pipeline.config import ConfigError, JobConfig, load_config
+from pipeline.config import ConfigError, JobConfig
+from pipeline.config_file import load_config
 from support.paths import REPO
 
 BASE = {"input": {"paths": ["in/"]}, "output": {"path": "out/x"}, "model": {"path": "m"}}

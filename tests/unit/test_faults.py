@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.generate import main
-from pipeline.config import BehaviourConfig, ConfigError, load_config
+from pipeline.config import BehaviourConfig, ConfigError
+from pipeline.config_file import load_config
 from pipeline.run.job import preflight
 from pipeline.output.directory import OutputDir, OutputWriteError
 from pipeline.output.sources import PartSources

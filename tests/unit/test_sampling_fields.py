@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from orthrus import SamplingParams
-from pipeline.config import ConfigError, EngineKwargs, ModelConfig, SamplingConfig, StorageConfig, load_config
+from pipeline.config import ConfigError, EngineKwargs, ModelConfig, SamplingConfig, StorageConfig
+from pipeline.config_file import load_config
 from pipeline.inputs import openai_batch, plan
 from pipeline.inputs.openai_batch import request_row
 from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch

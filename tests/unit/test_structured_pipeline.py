@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from orthrus import Constraint, SamplingParams
-from pipeline.config import ConfigError, ModelConfig, StorageConfig, load_config
+from pipeline.config import ConfigError, ModelConfig, StorageConfig
+from pipeline.config_file import load_config
 from pipeline.requests.prepare import PreparePlan, prepare_batch, sampling_params_of
 from pipeline.inputs.json_lines import infer
 from pipeline.inputs.openai_batch import request_row
