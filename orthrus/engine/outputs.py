@@ -97,6 +97,11 @@ class EngineStats:
     page_iterations: int = 0         # sum over iterations of the KV pages rows held in them (mean: / iterations)
     preemptions: int = 0             # rows that gave their pages back for want of room (recomputed later)
     recomputed_tokens: int = 0       # K/V positions computed again for preempted rows
+    # Token positions the layer stacks computed, padding included (host-known shapes): every
+    # forward of both views, prefill and decode; and of those, the prefill forwards'. Beside
+    # ``prefill_tokens + recomputed_tokens`` and the tokens generated they show the waste.
+    forward_token_slots: int = 0
+    prefill_token_slots: int = 0
 
     def __sub__(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))

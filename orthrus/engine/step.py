@@ -77,10 +77,11 @@ class PromptRest:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One prefill stage: copies, then padded forwards (each a group of rows, longest rest first)."""
+    """One prefill stage: copies, then one flat forward over the rows' rests, attended in ``groups``
+    of rows of similar length (``model/ragged.py``; empty: nothing to compute)."""
 
     copies: tuple[PromptCopy, ...]
-    forwards: tuple[tuple[PromptRest, ...], ...]
+    groups: tuple[tuple[PromptRest, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,11 @@ class ScheduledStep:
 @dataclass(frozen=True)
 class StepOutput:
     """What one step read back: the packed rows of ``ScheduledStep.rows`` (None: nothing was read),
-    and when the iteration started (``time.perf_counter``), for the speculation policy."""
+    when the iteration started (``time.perf_counter``), for the speculation policy, and the token
+    positions its forwards computed (host-known shapes, padding included): ``prefill_slots`` in the
+    prefill forwards, ``iteration_slots`` in the draft and verify forwards (or the AR step)."""
 
     packed: Packed | None
     started: float
+    prefill_slots: int = 0
+    iteration_slots: int = 0

@@ -17,6 +17,7 @@ from orthrus.model import checkpoint
 from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
 from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
 from orthrus.model.cache import PagedKVCache
+from orthrus.model.ragged import RaggedBatch, ragged_attend
 from orthrus.ranges import named_range, ranged
 
 DEFAULT_BLOCK_SIZE = 32
@@ -120,6 +121,14 @@ class OrthrusForCausalLM(PreTrainedModel):
         writes the block's K/V and attends) → final hidden ``[b, T, E]``."""
         with ranged("draft_forward" if diffusion else "verify_forward"):     # once per forward: free
             return self.model(input_ids, batch.positions, backend.bind(batch, cache), diffusion)
+
+    def forward_ragged(self, tokens: torch.Tensor, cache: PagedKVCache, batch: RaggedBatch, diffusion: bool,
+                       backend: AttentionBackend) -> torch.Tensor:
+        """Run one view on a flat token batch ``tokens [N]`` (``ragged.py``: no padding reaches a
+        linear layer; attention per row over the paged cache through ``backend``) → hidden ``[N, E]``."""
+        with ranged("draft_forward" if diffusion else "verify_forward"):
+            attend = ragged_attend(batch, cache, backend, causal=not diffusion)
+            return self.model(tokens[None], batch.positions[None], attend, diffusion)[0]
 
     def forward_dense(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None, diffusion: bool = False) -> torch.Tensor:

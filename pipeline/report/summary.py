@@ -47,7 +47,11 @@ def _prefill(prefill: dict | None) -> dict:
             # order: what a perfect row order computes when only whole pages are shared
             # (output/prefix_ideal.py; ~2% error). Not a lower bound: a row still running the same
             # prefix also lends its partial page, so a sorted run can compute a little less.
-            "ideal_computed_tokens": ideal_computed_tokens(prefill.get("ideal"), prefill.get("kv_page_size"))}
+            "ideal_computed_tokens": ideal_computed_tokens(prefill.get("ideal"), prefill.get("kv_page_size")),
+            # token positions the engines' forwards computed, padding included (EngineStats): the
+            # prefill forwards' beside the prompt tokens they had to compute, and every forward's
+            "token_slots": prefill.get("prefill_token_slots"),
+            "forward_token_slots": prefill.get("forward_token_slots")}
 
 
 def _kv_cache(engine: dict | None) -> dict:
@@ -208,7 +212,10 @@ def _prefill_line(prefill: dict | None) -> list[str]:
     return [f"  prefill        {prefill['computed_tokens']:,} prompt tokens computed, "
             f"{prefill['prefix_cache_hit_tokens']:,} shared by the prefix cache "
             f"({_fmt(prefill['prefix_cache_hit_rate'] and 100 * prefill['prefix_cache_hit_rate'], '.0f')}% hits)"
-            + ("" if ideal is None else f"; {ideal:,} in the ideal order")]
+            + ("" if ideal is None else f"; {ideal:,} in the ideal order")
+            + ("" if not prefill.get("forward_token_slots") else
+               f"; forwards computed {prefill['forward_token_slots']:,} token slots "
+               f"({prefill['token_slots']:,} in prefills)")]
 
 
 def _slots(run: dict, spec: dict) -> str:

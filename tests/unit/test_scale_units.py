@@ -170,7 +170,8 @@ def test_part_writer_streams_blocks_into_parts_by_size_and_keeps_a_footer(tmp_pa
     assert total["prefill"] == {"computed_tokens": 300, "prefix_cache_hit_tokens": 180}   # summed over 30 blocks
     assert statistics(total, 0, 0.0)["prefill"] == {"computed_tokens": 300, "prefix_cache_hit_tokens": 180,
                                                    "prefix_cache_hit_rate": 180 / 480,
-                                                   "ideal_computed_tokens": None}     # no sketch in these blocks
+                                                   "ideal_computed_tokens": None,     # no sketch in these blocks
+                                                   "token_slots": None, "forward_token_slots": None}
     older = {k: v for k, v in total.items() if k != "prefill"}      # a footer written before the counts
     assert St.merge(older, total)["prefill"] == total["prefill"] and St.merge(older, older)["prefill"] is None
     assert statistics(St.merge(older, older), 0, 0.0)["prefill"]["computed_tokens"] is None

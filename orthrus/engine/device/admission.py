@@ -10,6 +10,7 @@ from orthrus.engine.device.prefill import PrefillBatch, PrefillStage, PrefixCopy
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.step import Admission, SlotParams, StagePlan
+from orthrus.model.ragged import AttentionGroup, RaggedBatch, pad_layout
 
 _PARAMS = ("stop_ids", "seed", "max_new", "min_new", "think_at", "think_span", "top_k", "temperature", "top_p", "greedy")
 
@@ -19,17 +20,26 @@ def _ints(xs: list[int]) -> np.ndarray:
 
 
 def _stage_arrays(name: str, stage: StagePlan) -> dict[str, np.ndarray]:
-    """Host arrays of one stage (its copy, each forward's rows) for the admission's one transfer."""
+    """Host arrays of one stage (its copy; its flat forward's tokens, rows and attention groups) for
+    the admission's one transfer."""
     whole = [c for c in stage.copies if c.whole]
     pages = [c for c in stage.copies if c.src_page >= 0]
     arrays = {f"{name}.src": _ints([c.src_page for c in pages]), f"{name}.dst": _ints([c.dst_page for c in pages]),
               f"{name}.hsrc": _ints([c.src for c in whole]), f"{name}.hdst": _ints([c.dst for c in whole])}
-    for j, g in enumerate(stage.forwards):
-        tokens = np.zeros((len(g), len(g[0].rest)), dtype=np.int64)            # [u, T], right-padded
-        for i, r in enumerate(g):
-            tokens[i, : len(r.rest)] = r.rest
-        arrays.update({f"{name}.{j}.slots": _ints([r.slot for r in g]), f"{name}.{j}.tokens": tokens,
-                       f"{name}.{j}.starts": _ints([r.start for r in g]), f"{name}.{j}.lens": _ints([len(r.rest) for r in g])})
+    rows = [r for g in stage.groups for r in g]
+    if not rows:
+        return arrays
+    lens = _ints([len(r.rest) for r in rows])
+    arrays.update({f"{name}.tokens": np.concatenate([r.rest for r in rows]).astype(np.int64),
+                   f"{name}.positions": np.concatenate([r.start + np.arange(len(r.rest)) for r in rows]),
+                   f"{name}.slots": _ints([r.slot for r in rows]), f"{name}.last": np.cumsum(lens) - 1})
+    for j, g in enumerate(stage.groups):
+        t = max(len(r.rest) for r in g)
+        arrays[f"{name}.{j}.slots"] = _ints([r.slot for r in g])
+        arrays[f"{name}.{j}.pos"] = _ints([r.start for r in g])[:, None] + np.arange(t)[None, :]   # [g, T]
+        layout = pad_layout([len(r.rest) for r in g])
+        if layout is not None:
+            arrays[f"{name}.{j}.take"], arrays[f"{name}.{j}.put"] = layout
     return arrays
 
 
@@ -38,10 +48,16 @@ def _device_stage(name: str, stage: StagePlan, d: dict[str, torch.Tensor]) -> Pr
     copy = None
     if stage.copies:
         copy = PrefixCopy(d[f"{name}.src"], d[f"{name}.dst"], d[f"{name}.hsrc"], d[f"{name}.hdst"])
-    forwards = tuple(RestForward(d[f"{name}.{j}.slots"], d[f"{name}.{j}.tokens"], d[f"{name}.{j}.starts"],
-                                 d[f"{name}.{j}.lens"], max(r.start for r in g) + len(g[0].rest))
-                     for j, g in enumerate(stage.forwards))
-    return PrefillStage(copy, forwards)
+    if not stage.groups:
+        return PrefillStage(copy, None)
+    groups, first = [], 0
+    for j, g in enumerate(stage.groups):
+        count, t = sum(len(r.rest) for r in g), max(len(r.rest) for r in g)
+        groups.append(AttentionGroup(d[f"{name}.{j}.slots"], d[f"{name}.{j}.pos"], first, count,
+                                     max(r.start for r in g) + t, d.get(f"{name}.{j}.take"), d.get(f"{name}.{j}.put")))
+        first += count
+    batch = RaggedBatch(d[f"{name}.positions"], tuple(groups))
+    return PrefillStage(copy, RestForward(d[f"{name}.tokens"], batch, d[f"{name}.slots"], d[f"{name}.last"]))
 
 
 def seat(adm: Admission, staging: HostStaging, st: SlotState) -> PrefillBatch:

@@ -4,18 +4,16 @@ A row's shared prefix pages are in its page table before the step starts (by ref
 to copy); an admitting step then runs one or two *stages*, each a device copy then ragged forwards:
 
     stage 1   copy partial pages from running slots whose prompts the new rows extend, then one
-              forward over every row that has something to compute: a prompt nobody holds (from
-              position 0), the rest of a prompt whose prefix is shared, or a preempted row's prompt
-              and committed tokens (recomputed)
+              flat forward over every row that has something to compute: a prompt nobody holds
+              (from position 0), the rest of a prompt whose prefix is shared, or a preempted row's
+              prompt and committed tokens (recomputed)
     stage 2   the same for rows sharing a prefix with a row stage 1 just computed (rows admitted
               together that share a prefix: the first computes it, the others share it)
 
 A row whose whole prompt a running slot holds copies that slot's last hidden state too and computes
-nothing. Every forward is ragged: row i computes tokens ``start[i] … start[i] + len[i] - 1`` at
-their own positions, right-padded to the forward's longest rest; a pad token writes K/V past its
-row's prompt (stale, overwritten by the row's first block, or in the null page past the row's
-pages) and its output is never read. The host plan (``host/admission.py``) splits a stage into
-more forwards only where one padded forward would pass a slot's capacity.
+nothing. Every forward is flat (``model/ragged.py``): row i computes tokens ``start[i] … start[i] +
+len[i] - 1`` at their own positions and no pad token reaches a linear layer; attention runs per
+group of rows of similar length, planned on the host (``host/admission.py``).
 """
 from __future__ import annotations
 
@@ -23,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from orthrus.model.backends import AttentionBackend, BlockBatch
+from orthrus.model.backends import AttentionBackend
 from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
+from orthrus.model.ragged import RaggedBatch
 
 
 @dataclass(frozen=True)
@@ -41,22 +40,21 @@ class PrefixCopy:
 
 @dataclass(frozen=True)
 class RestForward:
-    """One ragged prefill forward: ``tokens [u, T]`` (right-padded) of slots ``slots [u]`` at
-    positions ``starts[i] + t``; ``lens [u]`` real tokens per row; ``kv_len`` = max(start) + T."""
+    """One flat prefill forward: ``tokens [N]`` (the rows' rests back to back) laid out by ``batch``;
+    ``slots [u]`` the rows and ``last [u]`` the flat index of each row's last token."""
 
-    slots: torch.Tensor
     tokens: torch.Tensor
-    starts: torch.Tensor
-    lens: torch.Tensor
-    kv_len: int
+    batch: RaggedBatch
+    slots: torch.Tensor
+    last: torch.Tensor
 
 
 @dataclass(frozen=True)
 class PrefillStage:
-    """A copy (None: nothing to copy) followed by forwards (possibly none)."""
+    """A copy (None: nothing to copy) followed by at most one flat forward."""
 
     copy: PrefixCopy | None
-    forwards: tuple[RestForward, ...]
+    forward: RestForward | None
 
 
 @dataclass(frozen=True)
@@ -80,9 +78,7 @@ def prompt_states(model: OrthrusForCausalLM, cache: PagedKVCache, backend: Atten
         if c is not None:
             cache.copy_pages(c.src, c.dst)
             hidden[c.hidden_dst] = hidden[c.hidden_src]
-        for f in stage.forwards:
-            u, t = f.tokens.shape
-            pos = f.starts[:, None] + torch.arange(t, device=f.tokens.device)[None, :]   # [u, T]
-            batch = BlockBatch(slots=f.slots, positions=pos, kv_len=f.kv_len)            # causal
-            out = model.forward_cached(f.tokens, cache, batch, diffusion=False, backend=backend)  # [u, T, E]
-            hidden[f.slots] = out[torch.arange(u, device=out.device), f.lens - 1]
+        f = stage.forward
+        if f is not None:
+            out = model.forward_ragged(f.tokens, cache, f.batch, diffusion=False, backend=backend)   # [N, E]
+            hidden[f.slots] = out.index_select(0, f.last)

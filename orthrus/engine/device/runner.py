@@ -125,8 +125,10 @@ class ModelRunner:
             batch = admission.seat(step.admission, self.admission_staging, self.state)
             kernels.prefill(self.parts, batch, step.admission.paths, step.admission.logprobs)
         started = time.perf_counter()
+        prefill_slots = _prefill_slots(step)
+        iteration_slots = 0 if plan is None else plan.rows * (2 * plan.block if plan.block != AR else 1)
         if not step.reads:
-            return StepOutput(None, started)
+            return StepOutput(None, started, prefill_slots, iteration_slots)
         parts = []
         if plan is not None:
             parts.append(self._iterate(plan, it, rows, idx, eager))
@@ -137,7 +139,7 @@ class ModelRunner:
         if where is not None:
             n = len(rows)
             host = np.concatenate([host[:n][where], host[n:]]) if len(step.settled) else host[where]
-        return StepOutput(Packed.unpack(host, step.logprobs), started)
+        return StepOutput(Packed.unpack(host, step.logprobs), started, prefill_slots, iteration_slots)
 
     def plan(self, it: Iteration, logprobs: int | None, busy: np.ndarray) -> PlacedIteration:
         """Place an iteration with a logprob width of ``logprobs``. A static iteration is padded to
@@ -184,3 +186,10 @@ class ModelRunner:
         """Every slot empty and dead."""
         self.state.reset()
         self.cache.reset()
+
+
+def _prefill_slots(step: ScheduledStep) -> int:
+    """Token positions the step's prefill forwards compute (flat: exactly the rows' rests)."""
+    if step.admission is None:
+        return 0
+    return sum(len(r.rest) for stage in step.admission.stages for g in stage.groups for r in g)

@@ -150,7 +150,7 @@ class PromptPlanner:
                 fresh.add(seat.slot, seat.tokens, seat.hashes)
             seated += 1
         self._register(seats[:seated])
-        stages = tuple(StagePlan(tuple(c), _forward_groups(r, self.capacity)) for c, r in zip(copies, rests))
+        stages = tuple(StagePlan(tuple(c), _attention_groups(r, self.capacity)) for c, r in zip(copies, rests))
         return PromptPlan(stages, seated, computed, recomputed)
 
     def _source(self, seat: Seat, fresh: PrefixIndex | None) -> _Source:
@@ -185,13 +185,19 @@ class PromptPlanner:
                 self.pages.add(seat.tokens, seat.hashes, self.pool.slot_pages[seat.slot][: len(seat.tokens) // self.pool.page_size])
 
 
-def _forward_groups(rows: list[PromptRest], capacity: int) -> tuple[tuple[PromptRest, ...], ...]:
-    """Rows of one stage in as few padded forwards as fit: start + padded length <= ``capacity``
-    for every row of a forward (a pad token's K/V is written at its position). Bounded by rows."""
+PAD_RATIO = 2   # a row joins an attention group only if the group's longest rest is at most this times its own
+
+
+def _attention_groups(rows: list[PromptRest], capacity: int) -> tuple[tuple[PromptRest, ...], ...]:
+    """Rows of one stage's flat forward in attention groups (``model/ragged.py``), longest rest
+    first: a row joins the open group while it would be padded to at most ``PAD_RATIO`` times its
+    length (attention over pads is the only padded work left) and start + padded length <=
+    ``capacity`` for every row (a pad token's K/V is written at its position). Bounded by rows."""
     groups: list[list[PromptRest]] = []
     for row in sorted(rows, key=lambda r: -len(r.rest)):
         g = groups[-1] if groups else None
-        if g is not None and max(row.start, max(r.start for r in g)) + len(g[0].rest) <= capacity:
+        if (g is not None and len(g[0].rest) <= PAD_RATIO * len(row.rest)
+                and max(row.start, max(r.start for r in g)) + len(g[0].rest) <= capacity):
             g.append(row)
         else:
             groups.append([row])

@@ -228,6 +228,8 @@ class Scheduler:
         """Fold a step's read into the host book → the requests that finished (rows the host ends
         here, by a stop string or a failed grammar, are marked dead by the next step)."""
         done, self._done = self._done, []
+        self.stats += EngineStats(forward_token_slots=out.prefill_slots + out.iteration_slots,
+                                  prefill_token_slots=out.prefill_slots)
         if out.packed is None:
             return done
         it, rows = step.iteration, step.rows
