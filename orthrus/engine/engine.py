@@ -36,6 +36,11 @@ from orthrus.reasoning import ReasoningTokens
 
 
 DEFAULT_MAX_SEQ_LEN = 8192
+# Tokens one step's AR forward computes at most (the running rows' blocks first, then prompt
+# chunks): vLLM's ``max_num_batched_tokens``. On a GPU a larger forward still fills the device
+# better; on a CPU 2,048 tokens is past the point where a bigger batch pays (the forward is
+# compute-bound there), and it bounds how long running rows wait behind a long prompt.
+DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 ATTENTION_KERNELS = ("auto", "sdpa", "flash")
 SPECULATIVE_MODES = (True, False, "auto")
 
@@ -66,6 +71,13 @@ class OrthrusEngine:
     ``SamplingParams.max_thinking_tokens`` (``orthrus/reasoning.py``). ``prefix_cache``: a prompt that starts like one a page or slot holds shares that K/V
     instead of computing it (``host/prefix_cache.py``); lossless; off only to measure it.
 
+    ``max_num_batched_tokens``: the step's token budget (vLLM's name). Each step runs ONE AR forward
+    over the running rows' blocks (a cycle's verify block or an AR step's token) and then chunks of
+    the prompts being prefilled, oldest first, up to this many tokens in all (the oldest prompt gets
+    at least a few tokens whatever the running rows take): a long prompt is prefilled over several
+    steps while the other rows keep decoding (``host/prefilling.py``). None: 8,192 on a GPU, 2,048
+    on a CPU.
+
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
     """
 
@@ -74,13 +86,20 @@ class OrthrusEngine:
                  attention: str | AttentionBackend = "auto",
                  static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
                  key_bucket: int | None = None, prefix_cache: bool = True,
-                 reasoning: ReasoningTokens | bool = True, kv_cache_tokens: int | None = None) -> None:
+                 reasoning: ReasoningTokens | bool = True, kv_cache_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         cfg = model.config
         _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
         self.max_seq_len = int(max_seq_len if max_seq_len is not None
                                else min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
         _check_sizes(max_batch_size, self.block_size, self.max_seq_len, attention)
+        device_type = next(model.parameters()).device.type
+        budget = DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"]) \
+            if max_num_batched_tokens is None else max_num_batched_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        self.max_num_batched_tokens = budget
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.vocab_size = int(cfg.vocab_size)
@@ -101,7 +120,7 @@ class OrthrusEngine:
         cache = self.runner.cache
         self.scheduler = Scheduler(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size,
                                    self.eos_token_ids, grammars, StopStringScanner(tokenizer) if tokenizer else None,
-                                   prefix_cache, speculative, cache.num_pages, cache.page_size)
+                                   prefix_cache, speculative, cache.num_pages, cache.page_size, budget)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
@@ -167,8 +186,9 @@ class OrthrusEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One iteration: free aborted slots, admit waiting requests into free slots (one padded
-        prefill), one cycle or AR step over the occupied slots → the requests that finished in it.
+        """One iteration: free aborted slots, seat waiting requests in free slots, one cycle or AR
+        step over the running slots with prompt chunks in its AR forward (the token budget) → the
+        requests that finished in it.
 
         A request whose own grammar fails mid-decode (a limit of the grammar engine no check at
         ``add_request`` foresaw) ends alone, ``finish_reason="error"`` with ``RequestOutput.error``

@@ -90,7 +90,7 @@ class EngineStats:
     what happened between two snapshots. Slot occupancy = ``busy_slot_iterations / iterations / B``."""
 
     iterations: int = 0              # decode iterations (cycles or AR steps over the batch)
-    busy_slot_iterations: int = 0    # sum over iterations of the slots that decoded in them
+    busy_slot_iterations: int = 0    # sum over iterations of the slots that decoded or prefilled in them
     admitting_steps: int = 0         # steps that seated waiting requests (one host→device copy each)
     prefill_tokens: int = 0          # prompt tokens computed by prefills (a shared prompt counts once)
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V was shared or copied instead
@@ -102,6 +102,9 @@ class EngineStats:
     # ``prefill_tokens + recomputed_tokens`` and the tokens generated they show the waste.
     forward_token_slots: int = 0
     prefill_token_slots: int = 0
+    # Steps that read their device work back (ONE read each): the iterations, and steps that only
+    # prefilled and sampled first tokens (a step of prompt chunks alone reads nothing).
+    read_steps: int = 0
 
     def __sub__(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))

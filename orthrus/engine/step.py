@@ -4,9 +4,10 @@
                                           -> Scheduler.update(step, output) -> list[RequestOutput]
 
 A :class:`ScheduledStep` is everything the device does in one step, decided on the host: slots to
-mark dead first, an :class:`Admission` (new requests, their sampling parameters and how each
-prompt's K/V is obtained), an :class:`Iteration` (one speculative cycle or AR step over the live
-rows) and the rows that finished at their prefill and only need packing. Shapes: ``n`` rows.
+mark dead first, an :class:`Admission` (new requests, their sampling parameters and what running
+slots hold of their prompts), an :class:`Iteration` (one speculative cycle or AR step over the live
+rows), :class:`PrefillWork` (prompt chunks computed in the iteration's AR forward, within the
+step's token budget) and the rows that only need packing. Shapes: ``n`` rows.
 """
 from __future__ import annotations
 
@@ -67,38 +68,54 @@ class PromptCopy:
 
 
 @dataclass(frozen=True)
-class PromptRest:
-    """Compute ``rest`` (the prompt's tokens from position ``start``) into ``slot``."""
+class PromptChunk:
+    """Compute ``rest`` (a row's tokens from position ``start``: its prompt, or a preempted row's
+    prompt and committed tokens) into ``slot`` this step; ``last``: the chunk ends a new row's prompt,
+    so its last hidden state is kept and the row's first token is sampled from it."""
 
     slot: int
     start: int
     rest: np.ndarray
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One prefill stage: copies, then one flat forward over the rows' rests, attended in ``groups``
-    of rows of similar length (``model/ragged.py``; empty: nothing to compute)."""
-
-    copies: tuple[PromptCopy, ...]
-    groups: tuple[tuple[PromptRest, ...], ...]
+    last: bool = False
+    after: int = -1     # a row whose prompt this one shares, computed before it (its group comes first)
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Requests seated in ``slots [n]`` this step: prompt lengths, parameters, the prefill stages,
-    and the grammar masks of their first tokens ``first_masks [n, W]`` (None: none is constrained).
-    The stages also recompute the K/V of ``resumed`` slots (rows preempted for want of pages; their
-    device state was kept, nothing is sampled for them)."""
+    """Requests seated in ``slots [n]`` this step: prompt lengths and parameters, and the ``copies``
+    that give them what running slots hold of their prompts (a partial page, a whole prompt's last
+    hidden state). Their K/V is then computed in chunks (:class:`PrefillWork`), this step and later
+    ones. ``resumed``: rows preempted for want of pages, seated again (their device state was kept;
+    their K/V is recomputed the same way, nothing is sampled for them)."""
 
     slots: np.ndarray
     prompt_lens: np.ndarray
     params: SlotParams
-    stages: tuple[StagePlan, ...]
+    copies: tuple[PromptCopy, ...]
+    resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """A step's prompt chunks, computed in its one AR forward after the iteration's block and laid
+    out in attention ``groups`` of rows of similar length (``model/ragged.py``), and the new rows
+    whose prompts are complete after it: ``done [d]`` (prompt lengths ``done_lens``; ``copies`` give
+    rows whose whole prompt a row completing here holds its partial page and hidden state), whose first
+    token is sampled from their prompt's last hidden state (``paths``; grammar masks ``first_masks
+    [d, W]`` or None; the logprob width ``logprobs``, None: no row asked)."""
+
+    groups: tuple[tuple[PromptChunk, ...], ...]
+    done: np.ndarray
+    done_lens: np.ndarray
     first_masks: np.ndarray | None
     paths: SamplingPaths
-    logprobs: int | None        # top-k width of the first tokens' logprobs (None: no row asked)
-    resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    logprobs: int | None
+    copies: tuple[PromptCopy, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        """Token positions the chunks compute."""
+        return sum(len(c.rest) for g in self.groups for c in g)
 
 
 class DraftMasks(Protocol):
@@ -137,10 +154,12 @@ class Iteration:
 class ScheduledStep:
     """Everything the device does in one step, in this order: ``pages`` (page-table changes ``[c, 3]``:
     slot, entry, page), ``kill`` (rows the host ended: aborted, a stop string, a failed grammar),
-    ``admission``, ``iteration``, then pack ``settled`` (rows done at their prefill) beside the
-    iteration's rows in the one read. ``logprobs``: the read's top-k width, the iteration's and the
-    settled rows' (None: no row asked). ``paused``: preempted rows, which hold a slot but no pages
-    and sit the step out (never a static iteration's padding)."""
+    ``admission`` (seat, copy), the ``iteration``'s draft, then ONE AR forward over the iteration's
+    block and the ``prefill`` chunks, the iteration's acceptance and the completed prompts' first
+    tokens, then pack ``settled`` (rows whose first token is new, or that sit the iteration out)
+    beside the iteration's rows in the one read. ``logprobs``: the read's top-k width, the
+    iteration's and the settled rows' (None: no row asked). ``paused``: rows that hold a slot but
+    sit the step out, preempted or still prefilling (never a static iteration's padding)."""
 
     kill: np.ndarray
     admission: Admission | None
@@ -149,6 +168,7 @@ class ScheduledStep:
     logprobs: int | None
     pages: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     paused: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prefill: PrefillWork | None = None
 
     @property
     def reads(self) -> bool:

@@ -54,9 +54,14 @@ def test_a_grammar_failing_mid_decode_ends_only_its_row(model, tok, speculative,
     assert failed.finish_reason == "error" and failed.error.startswith(
         "SamplingParams.structured.grammar: the grammar engine failed after ")
     assert "items" in failed.error
-    for got, want in zip(outs, alone):                                  # neighbours: bit-identical
-        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    rows = _rows(None)
+    for (_, params), got, want in zip(rows, outs, alone):               # neighbours: bit-identical
         assert got.error is None
+        if speculative == "auto" and not params.greedy:
+            # "auto" picks block sizes by occupancy, and the failed row changed it: a seeded sampled
+            # row follows the switching pattern (same distribution, not the same bits; docs/engine.md)
+            continue
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
     assert engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))[0].finish_reason == "length"
 
 

@@ -64,7 +64,7 @@ def test_paused_rows_wait_first_preempted_last_in_line_and_mask_their_slots():
 
 
 def _scheduler(rows: int, pages: int, prefix_cache: bool) -> Scheduler:
-    sched = Scheduler(rows, K, 120, 64, (0,), SlotGrammars(None, 64, (0,), rows), None, prefix_cache, True, pages, G)
+    sched = Scheduler(rows, K, 120, 64, (0,), SlotGrammars(None, 64, (0,), rows), None, prefix_cache, True, pages, G, 48)
     rng = np.random.default_rng(rows)
     shared = rng.integers(1, 60, 2 * G).tolist()
     for i in range(rows):

@@ -13,7 +13,7 @@ from orthrus import rng
 from orthrus.engine.device import logprobs
 from orthrus.engine.device.masks import IterationMasks, constrain
 from orthrus.engine.device.plan import DeviceParts, IterationPlan
-from orthrus.engine.device.prefill import PrefillBatch, prompt_states
+from orthrus.engine.device.prefill import ChunkForward, ar_forward
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.outputs import FinishReason
 from orthrus.engine.step import SamplingPaths
@@ -76,19 +76,23 @@ def _close_thinking(st: SlotState, slots: torch.Tensor, emitted: torch.Tensor, n
 
 
 @named_range("prefill")
-def prefill(dev: DeviceParts, pb: PrefillBatch, paths: SamplingPaths, lp_width: int | None) -> None:
-    """Prefill the admitted slots (each prompt prefix at most once) and sample every row's first
-    anchor from its own seed; with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""
-    model, cache, st = dev.model, dev.cache, dev.state
-    prompt_states(model, cache, dev.backend, st.prompt_hidden, pb.stages)
-    slots, row_lens = pb.slots, pb.row_lens
-    if slots.shape[0] == 0:          # only preempted rows' K/V recomputed: nothing to sample (host-known shape)
-        return
-    logits = model.logits(st.prompt_hidden[slots])[:, None]                 # [b, 1, V]
-    masked = logits if pb.masks is None else constrain(logits, pb.masks[:, None])
+def prefill_chunks(dev: DeviceParts, chunk: ChunkForward) -> None:
+    """A step's prompt chunks in a forward of their own (a step without an iteration)."""
+    ar_forward(dev.model, dev.cache, dev.backend, dev.state.prompt_hidden, None, None, chunk)
+
+
+@named_range("prefill")
+def sample_first(dev: DeviceParts, slots: torch.Tensor, row_lens: torch.Tensor, masks: torch.Tensor | None,
+                 paths: SamplingPaths, lp_width: int | None) -> None:
+    """Rows ``slots [d]`` whose prompts (``row_lens [d]``) are complete: sample each one's first
+    anchor from its prompt's last hidden state with its own seed (grammar ``masks [d, W]`` or None);
+    with ``lp_width`` (a top-k width, host-known), keep its logprobs too."""
+    cache, st = dev.cache, dev.state
+    logits = dev.model.logits(st.prompt_hidden[slots])[:, None]               # [d, 1, V]
+    masked = logits if masks is None else constrain(logits, masks[:, None])
     probs = process(_target(masked, st, slots, paths, torch.zeros_like(row_lens)), st.sampling(slots, paths))
     u_first = rng.uniforms(st.seed[slots], torch.zeros_like(row_lens), rng.STREAM_FIRST, 1)
-    first = sample(probs, u_first)[:, 0]                                     # [b]
+    first = sample(probs, u_first)[:, 0]                                     # [d]
     if lp_width is not None:
         logprobs.store_first(st, slots, logits, first, lp_width)
     cache.lengths[slots] = row_lens
@@ -142,7 +146,7 @@ def _commit(dev: DeviceParts, slots: torch.Tensor, emitted: torch.Tensor, n_acc:
 
 
 def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
-                      masks: IterationMasks | None = None) -> torch.Tensor:
+                      masks: IterationMasks | None = None, chunk: ChunkForward | None = None) -> torch.Tensor:
     """Draft (diffusion view) → verify (AR view) → accept → commit, for the rows in ``slots``; with
     ``plan.logprobs`` (a top-k width), every emitted token's logprobs from the verify forward's raw logits.
 
@@ -151,7 +155,8 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
     and is rejected. The first draft comes from the masked proposal (its mask is known up front), the
     others from the unmasked one, and acceptance and residual use exactly those proposals. A row's
     ``min_tokens`` restricts the target the same way (its stop ids, where it may not stop yet), and a
-    spent thinking budget to the one token it forces.
+    spent thinking budget to the one token it forces. A step's prompt ``chunk`` rides in the
+    verify forward (``prefill.ar_forward``).
     """
     model, cache, backend, st, k = dev.model, dev.cache, dev.backend, dev.state, plan.block
     n = _write_offsets(cache, st, slots)                                      # [b]
@@ -168,8 +173,8 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
         drafts = q_logits.argmax(-1)                                                # [b, K-1]
         if masks is not None:
             masks.start(drafts)
-        p_logits = model.logits(model.forward_cached(torch.cat([anchor[:, None], drafts], 1), cache,
-                                                     verify_view, diffusion=False, backend=backend))
+        p_logits = model.logits(ar_forward(model, cache, backend, st.prompt_hidden,
+                                           torch.cat([anchor[:, None], drafts], 1), verify_view, chunk))
         target = p_logits if masks is None else constrain(p_logits, masks.along())
         verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), q_logits)
     else:
@@ -178,7 +183,7 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
         if masks is not None:
             masks.start(drafts)
         block = torch.cat([anchor[:, None], drafts], 1)                             # [b, K]
-        hidden = model.forward_cached(block, cache, verify_view, diffusion=False, backend=backend)
+        hidden = ar_forward(model, cache, backend, st.prompt_hidden, block, verify_view, chunk)
         p_logits = model.logits(hidden)                                             # [b, K, V]
         target = p_logits if masks is None else constrain(p_logits, masks.along())
         p = process(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), sp)
@@ -192,14 +197,15 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
 
 
 def ar_step(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
-            masks: IterationMasks | None = None) -> torch.Tensor:
+            masks: IterationMasks | None = None, chunk: ChunkForward | None = None) -> torch.Tensor:
     """One plain AR step (our baseline) on the same cache and bookkeeping (logprobs as in a cycle);
-    with grammar ``masks``, from the distribution restricted to what each row's grammar allows."""
+    with grammar ``masks``, from the distribution restricted to what each row's grammar allows; a
+    step's prompt ``chunk`` rides in its forward."""
     model, cache, st = dev.model, dev.cache, dev.state
     n = _write_offsets(cache, st, slots)
     pos = n[:, None]                                                          # [b, 1]
     view = BlockBatch(None if plan.all_slots else slots, pos, plan.kv_len)
-    hidden = model.forward_cached(st.anchor[slots][:, None], cache, view, diffusion=False, backend=dev.backend)
+    hidden = ar_forward(model, cache, dev.backend, st.prompt_hidden, st.anchor[slots][:, None], view, chunk)
     logits = model.logits(hidden)                                            # [b, 1, V]
     masked = logits if masks is None else constrain(logits, masks.first[:, None])
     masked = _target(masked, st, slots, plan.paths, st.out_count[slots])

@@ -1,30 +1,24 @@
-"""Device side of admission: the prompts' K/V and last hidden states, through the prefix cache.
+"""Device side of prefill: prompt chunks in the step's one AR forward, through the prefix cache.
 
-A row's shared prefix pages are in its page table before the step starts (by reference: nothing
-to copy); an admitting step then runs one or two *stages*, each a device copy then ragged forwards:
-
-    stage 1   copy partial pages from running slots whose prompts the new rows extend, then one
-              flat forward over every row that has something to compute: a prompt nobody holds
-              (from position 0), the rest of a prompt whose prefix is shared, or a preempted row's
-              prompt and committed tokens (recomputed)
-    stage 2   the same for rows sharing a prefix with a row stage 1 just computed (rows admitted
-              together that share a prefix: the first computes it, the others share it)
-
-A row whose whole prompt a running slot holds copies that slot's last hidden state too and computes
-nothing. Every forward is flat (``model/ragged.py``): row i computes tokens ``start[i] … start[i] +
-len[i] - 1`` at their own positions and no pad token reaches a linear layer; attention runs per
-group of rows of similar length, planned on the host (``host/admission.py``).
+A seated row's shared prefix pages are in its page table before the step starts (by reference:
+nothing to copy); its seat step then copies what a running slot holds of its prompt (a partial
+page; for an identical prompt, the last hidden state too, and nothing is computed). The rest of its
+tokens are computed in chunks (``host/prefilling.py``), each step's chunks riding in that step's
+one AR forward after the iteration's block: one flat token batch (``model/ragged.py``), row i
+computing tokens ``start[i] … start[i] + len[i] - 1`` at their own positions, attended in groups of
+rows of similar length. When a new row's last chunk is computed, its last hidden state is kept
+(``SlotState.prompt_hidden``) and its first token is sampled from it (``kernels.sample_first``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from orthrus.model.backends import AttentionBackend
+from orthrus.model.backends import AttentionBackend, BlockBatch
 from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
-from orthrus.model.ragged import RaggedBatch
+from orthrus.model.ragged import AttentionGroup, RaggedBatch
 
 
 @dataclass(frozen=True)
@@ -37,48 +31,40 @@ class PrefixCopy:
     hidden_src: torch.Tensor
     hidden_dst: torch.Tensor
 
+    def apply(self, cache: PagedKVCache, hidden: torch.Tensor) -> None:
+        """Copy the pages in every layer and the hidden states ``hidden [B, E]``."""
+        cache.copy_pages(self.src, self.dst)
+        hidden[self.hidden_dst] = hidden[self.hidden_src]
+
 
 @dataclass(frozen=True)
-class RestForward:
-    """One flat prefill forward: ``tokens [N]`` (the rows' rests back to back) laid out by ``batch``;
-    ``slots [u]`` the rows and ``last [u]`` the flat index of each row's last token."""
+class ChunkForward:
+    """A step's prompt chunks on the device: ``tokens [P]`` at ``positions [P]``, attended in
+    ``groups`` (``first`` counted from the chunks' first token); ``slots [h]``: rows whose chunk ends
+    a new row's prompt, ``last [h]`` the index of that chunk's last token."""
 
     tokens: torch.Tensor
-    batch: RaggedBatch
+    positions: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
     slots: torch.Tensor
     last: torch.Tensor
 
 
-@dataclass(frozen=True)
-class PrefillStage:
-    """A copy (None: nothing to copy) followed by at most one flat forward."""
-
-    copy: PrefixCopy | None
-    forward: RestForward | None
-
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """Rows admitted in one step, on the device (host-planned by ``host/admission.py``):
-    ``slots [b]``, their prompt lengths ``row_lens [b]``, the stages that fill their prompts (and
-    recompute preempted rows' K/V), and the grammar masks of their first tokens ``masks [b, W]``
-    int32 (None: no row is constrained)."""
-
-    slots: torch.Tensor
-    row_lens: torch.Tensor
-    stages: tuple[PrefillStage, ...]
-    masks: torch.Tensor | None = None
-
-
-def prompt_states(model: OrthrusForCausalLM, cache: PagedKVCache, backend: AttentionBackend, hidden: torch.Tensor,
-                  stages: tuple[PrefillStage, ...]) -> None:
-    """Fill every admitted slot's prompt K/V and ``hidden [B, E]`` (last prompt position), stage by stage."""
-    for stage in stages:
-        c = stage.copy
-        if c is not None:
-            cache.copy_pages(c.src, c.dst)
-            hidden[c.hidden_dst] = hidden[c.hidden_src]
-        f = stage.forward
-        if f is not None:
-            out = model.forward_ragged(f.tokens, cache, f.batch, diffusion=False, backend=backend)   # [N, E]
-            hidden[f.slots] = out.index_select(0, f.last)
+def ar_forward(model: OrthrusForCausalLM, cache: PagedKVCache, backend: AttentionBackend, hidden: torch.Tensor,
+               block: torch.Tensor | None, view: BlockBatch | None, chunk: ChunkForward | None) -> torch.Tensor | None:
+    """ONE AR-view forward over an iteration's ``block [b, T]`` (at ``view``) and a step's prompt
+    ``chunk`` after it (either may be None) → the block's hidden ``[b, T, E]`` (None without a
+    block); a completed prompt's last hidden state goes to ``hidden [B, E]``."""
+    if chunk is None:
+        return model.forward_cached(block, cache, view, diffusion=False, backend=backend)
+    groups, tokens, positions, n = chunk.groups, chunk.tokens, chunk.positions, 0
+    if block is not None:
+        b, t = block.shape
+        n = b * t
+        head = AttentionGroup(view.slot_index(cache.num_slots), view.positions, 0, n, view.kv_len)
+        groups = (head, *(replace(g, first=g.first + n) for g in groups))
+        tokens = torch.cat([block.reshape(-1), tokens])
+        positions = torch.cat([view.positions.reshape(-1), positions])
+    out = model.forward_ragged(tokens, cache, RaggedBatch(positions, groups), diffusion=False, backend=backend)
+    hidden[chunk.slots] = out.index_select(0, chunk.last + n)                  # [h, E]
+    return None if block is None else out[:n].view(*block.shape, -1)          # [b, T, E]

@@ -19,6 +19,7 @@ from orthrus.engine.device import admission, kernels
 from orthrus.engine.device.graphs import CycleGraphs, key_bound, pad_slots
 from orthrus.engine.device.masks import IterationMasks, from_staged, to_staged
 from orthrus.engine.device.plan import DeviceParts, IterationPlan
+from orthrus.engine.device.prefill import ChunkForward
 from orthrus.engine.device.proposer import DiffusionProposer, Proposer
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
@@ -95,43 +96,41 @@ class ModelRunner:
         return cls(parts, static)
 
     def execute(self, step: ScheduledStep) -> StepOutput:
-        """Run one step: mark ``step.kill`` dead, seat and prefill the admission, run the iteration,
-        pack the settled rows, and read the iteration's rows and the settled ones back in ONE
-        transfer (the step's one sync) → the packed rows of ``step.rows``, in that order."""
-        it = step.iteration
+        """Run one step: mark ``step.kill`` dead, seat the admission, run the iteration with the
+        step's prompt chunks in its AR forward (or the chunks alone), sample the completed prompts'
+        first tokens, pack the settled rows, and read the iteration's rows and the settled ones back
+        in ONE transfer (the step's one sync) → the packed rows of ``step.rows``, in that order."""
+        it, work = step.iteration, step.prefill
         sitting_out = np.concatenate([step.settled, step.paused]) if len(step.paused) else step.settled
         placed = self.plan(it, step.logprobs, sitting_out) if it is not None else None
         plan, rows, where = (placed.plan, placed.rows, placed.where) if placed is not None else (None, None, None)
-        eager = plan is not None and (not self.static_shapes or where is None)
-        # One host→device copy for the step's indices (a static iteration's rows then go on into its
-        # graph's buffer on the device): a second copy through the same staging buffer would wait
-        # for the first.
-        staged = {"kill": step.kill} if len(step.kill) else {}
-        if plan is not None:
-            staged["rows"] = rows
-        if len(step.settled):
-            staged["settled"] = step.settled
-        if plan is not None and plan.constrained:
-            staged["masks"] = to_staged(it.first_masks)
-        if len(step.pages):
-            staged["pages"] = step.pages
-        idx = self.index_staging.stage(staged) if staged else {}
+        idx = self._stage_indices(step, plan, rows)
         if "pages" in idx:                      # before anything reads or writes a page this step
             self.cache.set_entries(idx["pages"])
         if "kill" in idx:
             self.state.alive.index_fill_(0, idx["kill"], False)
         if step.admission is not None:
             self._widen(step.admission.params.stop_ids.shape[1])
-            batch = admission.seat(step.admission, self.admission_staging, self.state)
-            kernels.prefill(self.parts, batch, step.admission.paths, step.admission.logprobs)
+            copy = admission.seat(step.admission, self.admission_staging, self.state)
+            if copy is not None:
+                copy.apply(self.cache, self.state.prompt_hidden)
+        chunk = admission.chunk_forward(work, idx) if work is not None else None
         started = time.perf_counter()
-        prefill_slots = _prefill_slots(step)
-        iteration_slots = 0 if plan is None else plan.rows * (2 * plan.block if plan.block != AR else 1)
-        if not step.reads:
-            return StepOutput(None, started, prefill_slots, iteration_slots)
         parts = []
         if plan is not None:
-            parts.append(self._iterate(plan, it, rows, idx, eager))
+            eager = chunk is not None or not self.static_shapes or where is None
+            parts.append(self._iterate(plan, it, rows, idx, eager, chunk))
+        elif chunk is not None:
+            kernels.prefill_chunks(self.parts, chunk)
+        late = admission.prefix_copy("late.", work.copies, idx) if work is not None else None
+        if late is not None:                    # identical prompts take a completed row's partial page, hidden
+            late.apply(self.cache, self.state.prompt_hidden)
+        if work is not None and len(work.done):
+            masks = None if work.first_masks is None else from_staged(idx["first_masks"], work.first_masks.shape)
+            kernels.sample_first(self.parts, idx["done"], idx["done_lens"], masks, work.paths, work.logprobs)
+        slots = (0 if work is None else work.tokens, 0 if plan is None else plan.rows * (2 * plan.block or 1))
+        if not step.reads:
+            return StepOutput(None, started, *slots)
         if len(step.settled):
             width = plan.width if plan is not None else 1
             parts.append(kernels.settle(self.parts, idx["settled"], width, step.logprobs))
@@ -139,7 +138,30 @@ class ModelRunner:
         if where is not None:
             n = len(rows)
             host = np.concatenate([host[:n][where], host[n:]]) if len(step.settled) else host[where]
-        return StepOutput(Packed.unpack(host, step.logprobs), started, prefill_slots, iteration_slots)
+        return StepOutput(Packed.unpack(host, step.logprobs), started, *slots)
+
+    def _stage_indices(self, step: ScheduledStep, plan: IterationPlan | None, rows: np.ndarray | None
+                       ) -> dict[str, torch.Tensor]:
+        """The step's indices, prompt chunks and first masks in ONE host→device copy (a static
+        iteration's rows then go on into its graph's buffer on the device): a second copy through
+        the same staging buffer would wait for the first."""
+        staged = {"kill": step.kill} if len(step.kill) else {}
+        if plan is not None:
+            staged["rows"] = rows
+        if len(step.settled):
+            staged["settled"] = step.settled
+        if plan is not None and plan.constrained:
+            staged["masks"] = to_staged(step.iteration.first_masks)
+        if len(step.pages):
+            staged["pages"] = step.pages
+        work = step.prefill
+        if work is not None:
+            staged.update(admission.chunk_arrays(work))
+            if len(work.done):
+                staged.update(done=work.done, done_lens=work.done_lens)
+            if work.first_masks is not None:
+                staged["first_masks"] = to_staged(work.first_masks)
+        return self.index_staging.stage(staged) if staged else {}
 
     def plan(self, it: Iteration, logprobs: int | None, busy: np.ndarray) -> PlacedIteration:
         """Place an iteration with a logprob width of ``logprobs``. A static iteration is padded to
@@ -157,24 +179,25 @@ class ModelRunner:
                                              logprobs, constrained), padded, where)
 
     def _iterate(self, plan: IterationPlan, it: Iteration, rows: np.ndarray, idx: dict[str, torch.Tensor],
-                 eager: bool) -> torch.Tensor:
+                 eager: bool, chunk: ChunkForward | None) -> torch.Tensor:
         """The iteration's device work → packed ``[rows, W + 5 (+ logprobs)]``: eagerly, with the
-        constrained rows' grammar masks, or through the graph of its plan."""
+        constrained rows' grammar masks or prompt chunks, or through the graph of its plan."""
         if plan.constrained:
             first = from_staged(idx["masks"], it.first_masks.shape)
             masks = IterationMasks(it.grammar, rows, first, self.mask_staging, self.draft_readback)
-            return self.device_iteration(plan, idx["rows"], masks)
+            return self.device_iteration(plan, idx["rows"], masks, chunk)
         if eager:
-            return self.device_iteration(plan, idx["rows"])
+            return self.device_iteration(plan, idx["rows"], None, chunk)
         return self.graphs.run(plan, idx["rows"], lambda s: self.device_iteration(plan, s))
 
-    def device_iteration(self, plan: IterationPlan, slots: torch.Tensor,
-                         masks: IterationMasks | None = None) -> torch.Tensor:
-        """The device work of one iteration over ``slots [rows]`` → packed ``[rows, W + 5 (+ logprobs)]``
-        (no host reads without ``masks``: this is what a CUDA graph captures)."""
+    def device_iteration(self, plan: IterationPlan, slots: torch.Tensor, masks: IterationMasks | None = None,
+                         chunk: ChunkForward | None = None) -> torch.Tensor:
+        """The device work of one iteration over ``slots [rows]`` (with a step's prompt ``chunk`` in
+        its AR forward) → packed ``[rows, W + 5 (+ logprobs)]`` (no host reads without ``masks``:
+        this, without a chunk, is what a CUDA graph captures)."""
         if plan.block != AR:
-            return kernels.speculative_cycle(self.parts, plan, slots, masks)
-        return kernels.ar_step(self.parts, plan, slots, masks)
+            return kernels.speculative_cycle(self.parts, plan, slots, masks, chunk)
+        return kernels.ar_step(self.parts, plan, slots, masks, chunk)
 
     def _widen(self, width: int) -> None:
         """Room for ``width`` stop ids per slot (captured graphs hold the old buffer: forget them)."""
@@ -187,9 +210,3 @@ class ModelRunner:
         self.state.reset()
         self.cache.reset()
 
-
-def _prefill_slots(step: ScheduledStep) -> int:
-    """Token positions the step's prefill forwards compute (flat: exactly the rows' rests)."""
-    if step.admission is None:
-        return 0
-    return sum(len(r.rest) for stage in step.admission.stages for g in stage.groups for r in g)

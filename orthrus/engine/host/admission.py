@@ -5,11 +5,11 @@ pages are seated again first, their prompt and committed tokens recomputed. A pr
 computed at most once while some page or slot holds it (the prefix cache, ``prefix_cache.py``): a
 request whose prompt starts with cached pages or like a running slot's prompt takes those pages by
 reference (copying at most one partial page) and computes only the rest (nothing at all for an
-identical running prompt: the n samples of one row); requests admitted in the same step that share
-a prefix compute it once, in the first of the step's two prefill stages (``device/prefill.py``),
-and the others share it. Every request keeps its own seed and random stream, so its first token is still
-its own sample. The result is an :class:`~orthrus.engine.step.Admission`: plain arrays that the
-runner moves to the device in one copy.
+identical running prompt: the n samples of one row); a request sharing a prefix with a row whose
+prompt is still being computed waits for it, then shares it. The seated rows' K/V is then computed
+in chunks within each step's token budget (``prefilling.py``). Every request keeps its own seed and
+random stream, so its first token is still its own sample. The result is an
+:class:`~orthrus.engine.step.Admission`: plain arrays that the runner moves to the device in one copy.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex
 from orthrus.engine.host.requests import Request
-from orthrus.engine.step import PromptCopy, PromptRest, SlotParams, StagePlan
+from orthrus.engine.step import PromptChunk, PromptCopy, SlotParams
 
 
 def admit(waiting: deque[Request], free: np.ndarray) -> list[Request]:
@@ -94,111 +94,140 @@ class PausedRows:
 
 
 @dataclass(frozen=True)
-class PromptPlan:
-    """How the first ``seated`` rows get their K/V (the rest wait: the pool is full): the two
-    prefill stages, and the tokens they compute for new rows and for resumed ones."""
+class Seated:
+    """How a seated row gets its K/V: computed from position ``start`` (the positions before it are
+    shared or copied); ``after``: a row still prefilling whose prompt it shares (-1: none), whose
+    pages it shares by reference and after whose K/V its own is computed; ``late``: what is copied
+    from that row once its prompt is complete (an identical prompt: the partial page, the hidden
+    state), None: nothing."""
 
-    stages: tuple[StagePlan, StagePlan]
-    seated: int
+    start: int
+    after: int = -1
+    late: PromptCopy | None = None
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """How the first ``len(seated)`` seats get their K/V (the rest wait: the pool is full): ``copies``
+    from running slots, each seated row's :class:`Seated`, and the tokens that leaves to compute
+    for new rows and for resumed ones."""
+
+    copies: tuple[PromptCopy, ...]
+    seated: tuple[Seated, ...]
     computed: int
     recomputed: int
 
 
 @dataclass(frozen=True)
 class _Source:
-    """Where a row's first ``length`` positions come from, in ``stage``: ``shared`` whole pages by
-    reference and, from a running ``holder`` slot, its ``partial`` page copied (-1: none) and with
-    ``whole`` its hidden state."""
+    """Where a row's first ``length`` positions come from: ``shared`` whole pages by reference and,
+    from a running ``holder`` slot, its ``partial`` page copied (-1: none) and with ``whole`` its
+    hidden state; ``after``: the holder is still prefilling (the copies wait for it)."""
 
-    stage: int
     shared: list[int]
     length: int
     holder: int = -1
     partial: int = -1
     whole: bool = False
+    after: bool = False
 
 
 class PromptPlanner:
-    """Pages and prefill stages for rows being seated (``pages``/``holders`` None: no prefix cache)."""
+    """Pages and prompt sources for rows being seated (``pages``/``holders`` None: no prefix cache)."""
 
     def __init__(self, pool: PagePool, pages: PageIndex | None, holders: PrefixIndex | None, capacity: int,
                  block: int) -> None:
         self.pool, self.pages, self.holders, self.capacity, self.block = pool, pages, holders, capacity, block
 
-    def plan(self, seats: list[Seat]) -> PromptPlan:
+    def plan(self, seats: list[Seat], pending: PrefixIndex | None) -> PromptPlan:
         """Take pages for as many ``seats`` as the pool allows, in order; share every prefix some
-        page or running slot holds. Bounded by the seats."""
-        copies: tuple[list[PromptCopy], list[PromptCopy]] = ([], [])
-        rests: tuple[list[PromptRest], list[PromptRest]] = ([], [])
-        fresh = PrefixIndex(self.pool.page_size) if self.holders is not None else None   # rows stage 1 computes
-        seated = computed = recomputed = 0
+        page, running slot or prefilling row (``pending``; this step's new seats join it) holds.
+        Bounded by the seats."""
+        copies: list[PromptCopy] = []
+        seated: list[Seated] = []
+        computed = recomputed = 0
         for seat in seats:
-            src = self._source(seat, fresh)
+            src = self._source(seat, pending)
             need = int(self.pool.pages_for(len(seat.tokens) + self.block))
             if need - len(src.shared) > self.pool.available() - sum(p in self.pool.cached for p in src.shared):
                 break
             self.pool.share(seat.slot, src.shared)
             self.pool.grow(seat.slot, need)
+            copy = None
             if src.partial >= 0 or src.whole:
                 page = self.pool.slot_pages[seat.slot][len(src.shared)] if src.partial >= 0 else -1
-                copies[src.stage].append(PromptCopy(src.holder, seat.slot, src.partial, page, src.whole))
-            if src.length < len(seat.tokens):
-                rests[src.stage].append(PromptRest(seat.slot, src.length, seat.tokens[src.length:]))
-                computed += (len(seat.tokens) - src.length) * seat.new
-                recomputed += (len(seat.tokens) - src.length) * (not seat.new)
-            if src.stage == 0 and seat.new and fresh is not None:
-                fresh.add(seat.slot, seat.tokens, seat.hashes)
-            seated += 1
-        self._register(seats[:seated])
-        stages = tuple(StagePlan(tuple(c), _attention_groups(r, self.capacity)) for c, r in zip(copies, rests))
-        return PromptPlan(stages, seated, computed, recomputed)
+                copy = PromptCopy(src.holder, seat.slot, src.partial, page, src.whole)
+            if copy is not None and not src.after:
+                copies.append(copy)
+            seated.append(Seated(src.length, src.holder if src.after else -1, copy if src.after else None))
+            computed += (len(seat.tokens) - src.length) * seat.new
+            recomputed += (len(seat.tokens) - src.length) * (not seat.new)
+            if seat.new and pending is not None:
+                pending.add(seat.slot, seat.tokens, seat.hashes)
+        return PromptPlan(tuple(copies), tuple(seated), computed, recomputed)
 
-    def _source(self, seat: Seat, fresh: PrefixIndex | None) -> _Source:
-        """The longest prefix of ``seat`` held by cached pages, a running slot (stage 0) or a row this
-        step computes first (stage 1). The last token is computed unless a new row's whole prompt is
-        held (its hidden state is then copied too): a row never writes a page it shares."""
+    def _source(self, seat: Seat, pending: PrefixIndex | None) -> _Source:
+        """The longest prefix of ``seat`` held by cached pages, a running slot, or (for a new row) a
+        row still prefilling. The last token is computed unless a new row's whole prompt is held
+        (its hidden state is then copied too): a row never writes a page it shares."""
         n = len(seat.tokens)
-        best = _Source(0, [], 0)
+        best = _Source([], 0)
         if self.pages is None:
             return best
         shared = self.pages.match(seat.tokens, seat.hashes, (n - 1) // self.pool.page_size)
-        best = _Source(0, shared, len(shared) * self.pool.page_size)
-        for stage, index in ((0, self.holders), (1, fresh)):
-            m = index.match(seat.tokens, seat.hashes)
-            whole = m is not None and m.whole and seat.new
-            length = 0 if m is None else (n if whole else min(m.length, n - 1))
-            if length > best.length or (whole and not best.whole):
-                held = self.pool.slot_pages[m.slot]
-                full = length // self.pool.page_size
-                partial = held[full] if length % self.pool.page_size else -1
-                best = _Source(stage, held[:full], length, m.slot, partial, whole)
+        best = _Source(shared, len(shared) * self.pool.page_size)
+        m = self.holders.match(seat.tokens, seat.hashes)
+        whole = m is not None and m.whole and seat.new
+        length = 0 if m is None else (n if whole else min(m.length, n - 1))
+        if length > best.length or (whole and not best.whole):
+            held = self.pool.slot_pages[m.slot]
+            full = length // self.pool.page_size
+            partial = held[full] if length % self.pool.page_size else -1
+            best = _Source(held[:full], length, m.slot, partial, whole)
+        later = pending.match(seat.tokens, seat.hashes) if pending is not None and seat.new else None
+        return best if later is None else self._later(seat, later, best)
+
+    def _later(self, seat: Seat, m, best: _Source) -> _Source:
+        """``best``, or a prefilling row's prefix when that is longer: its whole pages by reference
+        (their K/V is computed before this row's, in the same forward or earlier); an identical
+        prompt also copies the partial page and the hidden state once that row completes, a longer
+        one computes from the last whole page (a page cannot be copied before it is filled)."""
+        n, page = len(seat.tokens), self.pool.page_size
+        held = self.pool.slot_pages[m.slot]
+        if m.whole and n > best.length:
+            return _Source(held[: n // page], n, m.slot, held[n // page] if n % page else -1, True, True)
+        full = min(m.length, n - 1) // page
+        if full * page > best.length:
+            return _Source(held[:full], full * page, m.slot, after=True)
         return best
 
-    def _register(self, seats: list[Seat]) -> None:
-        """New rows run their prompts, and their whole prompt pages hold those prompts' K/V from this
-        step on (findable by later steps only: this step's forwards fill them)."""
-        if self.pages is None:
+    def register(self, seat: Seat) -> None:
+        """``seat``'s prompt K/V is complete (a new row): its slot and its whole prompt pages hold
+        that prompt for later seats (the step that computed it runs before any later step's reads)."""
+        if self.pages is None or not seat.new:
             return
-        for seat in seats:
-            if seat.new:
-                self.holders.add(seat.slot, seat.tokens, seat.hashes)
-                self.pages.add(seat.tokens, seat.hashes, self.pool.slot_pages[seat.slot][: len(seat.tokens) // self.pool.page_size])
+        self.holders.add(seat.slot, seat.tokens, seat.hashes)
+        self.pages.add(seat.tokens, seat.hashes, self.pool.slot_pages[seat.slot][: len(seat.tokens) // self.pool.page_size])
 
 
 PAD_RATIO = 2   # a row joins an attention group only if the group's longest rest is at most this times its own
 
 
-def _attention_groups(rows: list[PromptRest], capacity: int) -> tuple[tuple[PromptRest, ...], ...]:
-    """Rows of one stage's flat forward in attention groups (``model/ragged.py``), longest rest
-    first: a row joins the open group while it would be padded to at most ``PAD_RATIO`` times its
-    length (attention over pads is the only padded work left) and start + padded length <=
-    ``capacity`` for every row (a pad token's K/V is written at its position). Bounded by rows."""
-    groups: list[list[PromptRest]] = []
-    for row in sorted(rows, key=lambda r: -len(r.rest)):
+def attention_groups(chunks: list[PromptChunk], capacity: int) -> tuple[tuple[PromptChunk, ...], ...]:
+    """A step's prompt chunks in attention groups (``model/ragged.py``), in queue order (a row that
+    shares a prefilling row's prefix comes after it, and its group after that row's: each group
+    writes its K/V before a later one reads it). A chunk joins the open group while neither it nor
+    the group's longest is padded past ``PAD_RATIO`` times its length (attention over pads is the
+    only padded work left), start + padded length <= ``capacity`` for every row (a pad token's K/V
+    is written at its position), and the row it follows is not in the group. Bounded by chunks."""
+    groups: list[list[PromptChunk]] = []
+    for c in chunks:
         g = groups[-1] if groups else None
-        if (g is not None and len(g[0].rest) <= PAD_RATIO * len(row.rest)
-                and max(row.start, max(r.start for r in g)) + len(g[0].rest) <= capacity):
-            g.append(row)
-        else:
-            groups.append([row])
+        if g is not None:
+            t = max(len(c.rest), max(len(r.rest) for r in g))
+            fits = t <= PAD_RATIO * min(len(c.rest), min(len(r.rest) for r in g))
+            if fits and max(c.start, max(r.start for r in g)) + t <= capacity and c.after not in {r.slot for r in g}:
+                g.append(c)
+                continue
+        groups.append([c])
     return tuple(tuple(g) for g in groups)

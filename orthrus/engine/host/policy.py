@@ -135,12 +135,13 @@ class SpeculationPolicy:
                 return arm
         return None
 
-    def observe(self, arm: int, occupancy: int, seconds: float, tokens: int = 0, live_rows: int = 0) -> None:
-        """Fold in one iteration's wall time and, for a cycle, the live rows' summed (L + 1)."""
+    def observe(self, arm: int, occupancy: int, seconds: float | None, tokens: int = 0, live_rows: int = 0) -> None:
+        """Fold in one iteration's wall time (None: not the arm's alone, e.g. prompt chunks rode in
+        its forward) and, for a cycle, the live rows' summed (L + 1)."""
         key = (arm, self.bucket(occupancy))
-        if key not in self._samples:         # the first run of an arm at a bucket pays one-off costs
-            self._samples[key] = deque(maxlen=self.window)   # (allocation, cold caches, graph capture)
-        else:
+        if seconds is not None and key not in self._samples:   # an arm's first run at a bucket pays
+            self._samples[key] = deque(maxlen=self.window)      # one-off costs (allocation, caches, capture)
+        elif seconds is not None:
             self._samples[key].append(seconds)
             if len(self._samples[key]) >= self.min_samples:   # a ratio never rests on one sample
                 self.cost[key] = statistics.median(self._samples[key])

@@ -15,16 +15,17 @@ from collections import deque
 
 import numpy as np
 
-from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, slot_params
+from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, attention_groups, slot_params
 from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.policy import SpeculationPolicy, halving_block_sizes
+from orthrus.engine.host.prefilling import Prefilling
 from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex, block_hashes
 from orthrus.engine.host.requests import Request
 from orthrus.engine.host.slot_table import SlotTable
 from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
 from orthrus.engine.outputs import EngineStats, FinishReason, RequestOutput
-from orthrus.engine.step import AR, Admission, Iteration, ScheduledStep, StepOutput
+from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.params import RowStats
 
 
@@ -38,7 +39,8 @@ class Scheduler:
 
     def __init__(self, num_slots: int, block_size: int, max_seq_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], grammars: SlotGrammars, stops: StopStringScanner | None,
-                 prefix_cache: bool, mode: bool | str, num_pages: int, page_size: int) -> None:
+                 prefix_cache: bool, mode: bool | str, num_pages: int, page_size: int,
+                 max_num_batched_tokens: int) -> None:
         self.num_slots, self.block_size, self.max_seq_len, self.vocab_size = num_slots, block_size, max_seq_len, vocab_size
         self.capacity = max_seq_len + block_size
         self.eos_token_ids, self.grammars, self.stops = eos_token_ids, grammars, stops
@@ -52,6 +54,11 @@ class Scheduler:
         self.pool = PagePool(num_pages, page_size, num_slots, -(-self.capacity // page_size), self.page_index)
         self.planner = PromptPlanner(self.pool, self.page_index, self.prefix_index, self.capacity, block_size)
         self.paused = PausedRows(num_slots)          # preempted rows, what re-seats them (oldest first)
+        # Seated rows still computing their K/V, in chunks within each step's token budget, and (with
+        # the prefix cache) the new ones among them by prompt: a seat sharing their prefix waits.
+        self.budget = max_num_batched_tokens
+        self.prefilling = Prefilling(num_slots)
+        self.pending = PrefixIndex(page_size) if prefix_cache else None
         self.order = np.zeros(num_slots, dtype=np.int64)   # when each slot's row was admitted (newest: largest)
         self._admissions = 0
         self.table = SlotTable(num_slots, block_size, max_seq_len, vocab_size)
@@ -92,7 +99,8 @@ class Scheduler:
         self._aborted_slots.clear()
         self._ended.clear()
         self.paused.clear()
-        for index in (self.page_index, self.prefix_index):
+        self.prefilling.clear()
+        for index in (self.page_index, self.prefix_index, self.pending):
             if index is not None:
                 index.clear()
         self.pool.reset()
@@ -102,7 +110,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Decide one step: release aborted slots, give running rows their pages (preempting the
         newest if the pool is short), re-seat preempted rows, then seat waiting requests in free
-        slots (FIFO), and plan one iteration over the running slots that can still generate."""
+        slots (FIFO), plan one iteration over the running slots that can still generate, and spend
+        what is left of the token budget on prefilling rows' chunks."""
         for slot in self._aborted_slots:
             self._done.append(self._output(slot, FinishReason.ABORT, None))
         kill = np.asarray(self._ended + self._aborted_slots, dtype=np.int64)
@@ -111,19 +120,37 @@ class Scheduler:
         adm = self._admit() if self.paused or (self.waiting and not self.table.busy_mask.all()) else None
         slots = self._running()
         remaining = self.table.remaining(slots)
-        # (a constrained row's masks need its first token on the host: it sits its first step out;
-        # so does one whose grammar failed at admission, which ends at the update)
+        # (a constrained row whose grammar failed at admission sits its first step out and ends at the update)
         settle = (remaining <= 0) | self.grammars.awaiting_first(slots, self.table.count)
         if self.grammars.failed:
             settle |= np.isin(slots, list(self.grammars.failed))
         live = slots[~settle]
         it = self._iteration(live, int(remaining.max())) if len(live) else None
-        return ScheduledStep(kill, adm, it, slots[settle], self.table.logprobs.width(slots), self.pool.take_entries(),
-                             self.paused.slots())
+        prefill = self._prefill_work(0 if it is None else len(live) * it.width)
+        settled = slots[settle] if prefill is None else np.concatenate([slots[settle], prefill.done])
+        read = slots if prefill is None else np.concatenate([slots, prefill.done])
+        out = np.union1d(self.paused.slots(), self.prefilling.slots())   # hold a slot, sit the step out
+        return ScheduledStep(kill, adm, it, settled, self.table.logprobs.width(read), self.pool.take_entries(),
+                             out, prefill)
+
+    def _prefill_work(self, running_tokens: int) -> PrefillWork | None:
+        """Chunks of prefilling rows in what the running rows leave of the token budget; the rows
+        they complete leave the queue, new ones become prefix holders and get their first token."""
+        taken = self.prefilling.take(self.budget - running_tokens)
+        for seat in taken.complete:
+            self.planner.register(seat)
+            if self.pending is not None:
+                self.pending.remove(seat.slot)
+        done = np.asarray([s.slot for s in taken.complete if s.new], dtype=np.int64)
+        if not taken.chunks and not len(done):
+            return None
+        masks = self.grammars.first[done] if self.grammars.any(done) else None
+        return PrefillWork(attention_groups(taken.chunks, self.capacity), done, self.table.prompt_len[done], masks,
+                           self.table.prefill_paths(done), self.table.logprobs.width(done), tuple(taken.copies))
 
     def _running(self) -> np.ndarray:
-        """Occupied slots that are not paused (preempted), ascending."""
-        return np.flatnonzero(self.table.busy_mask & ~self.paused.mask)
+        """Occupied slots that are neither paused (preempted) nor prefilling, ascending."""
+        return np.flatnonzero(self.table.busy_mask & ~self.paused.mask & ~self.prefilling.mask)
 
     def _iteration(self, live: np.ndarray, remaining: int) -> Iteration:
         """One cycle or AR step over the ``live`` rows (``remaining``: the most tokens any occupied row may still take)."""
@@ -149,14 +176,15 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Every running row gets pages for its committed length plus one block (what this step may
-        write). When the pool cannot give them, the newest rows are preempted: they give their pages
-        back and keep their slot and device state (sampling position, stop state), to be re-seated
+        write; a prefilling row holds its tokens' and a block's from its seat). When the pool cannot
+        give them, the newest rows are preempted, running or prefilling: they give their pages back
+        and keep their slot and device state (sampling position, stop state), to be re-seated
         (their K/V recomputed) when pages free up. The need is array code over the running rows;
         Python runs only over rows that cross a page boundary or are preempted (events)."""
         slots = self._running()
         want = self.pool.pages_for(self.table.committed(slots) + self.block_size)
         need = np.maximum(want - self.pool.owned[slots], 0)
-        if int(need.sum()) > self.pool.available() and len(slots) > 1:
+        if int(need.sum()) > self.pool.available() and len(slots) + len(self.prefilling) > 1:
             kept = self._preempt_newest(slots, need)
             slots, want, need = slots[kept], want[kept], need[kept]
         grow = np.flatnonzero(need)
@@ -164,51 +192,75 @@ class Scheduler:
             self.pool.grow(slot, total)
 
     def _preempt_newest(self, slots: np.ndarray, need: np.ndarray) -> np.ndarray:
-        """Preempt the newest of ``slots`` until the others' ``need`` of pages fits the pool → a mask
-        of the rows kept. The oldest row always stays, and fits: the pool holds one row at full
-        length (checked by the engine)."""
-        kept = np.ones(len(slots), dtype=bool)
+        """Preempt the newest rows (running ``slots`` with their ``need`` of pages, or prefilling)
+        until the running rows' need fits the pool → a mask of the running rows kept. The oldest row
+        always stays, and fits: the pool holds one row at full length (checked by the engine)."""
+        rows = np.concatenate([slots, self.prefilling.slots()])
+        needs = np.concatenate([need, np.zeros(len(rows) - len(slots), dtype=need.dtype)])
+        kept = np.ones(len(rows), dtype=bool)
         total = int(need.sum())
-        for i in np.argsort(self.order[slots])[:0:-1].tolist():   # newest first, all but the oldest
+        for i in np.argsort(self.order[rows])[:0:-1].tolist():   # newest first, all but the oldest
             if total <= self.pool.available():
                 break
+            if self.paused.mask[rows[i]]:        # already requeued with the row it followed
+                kept[i] = False
+                continue
             kept[i] = False
-            total -= int(need[i])
-            self._preempt(int(slots[i]))
-        return kept
+            total -= int(needs[i])
+            self._preempt(int(rows[i]))
+        return kept[: len(slots)]
 
     def _preempt(self, slot: int) -> None:
         """Take ``slot``'s pages back; it waits (first in line) to have its K/V recomputed."""
         first = next(iter(self.paused.seats), None)
         assert first is None or self.order[slot] < self.order[first], "a paused row is older than a running one"
-        n = int(self.table.committed(np.asarray([slot]))[0])
-        req = self.table.requests[slot]
-        tokens = np.concatenate([req.prompt_ids, self.table.generated(slot)[: n - len(req.prompt)]])
-        hashes = block_hashes(tokens, self.pool.page_size) if self.page_index is not None else []
-        self.paused.push(Seat(slot, tokens, hashes, new=False))
+        self._requeue_followers(slot)
+        seat = self.prefilling.remove(slot)
+        if seat is None:                         # a running row: its prompt and committed tokens
+            n = int(self.table.committed(np.asarray([slot]))[0])
+            req = self.table.requests[slot]
+            tokens = np.concatenate([req.prompt_ids, self.table.generated(slot)[: n - len(req.prompt)]])
+            hashes = block_hashes(tokens, self.pool.page_size) if self.page_index is not None else []
+            seat = Seat(slot, tokens, hashes, new=False)
+        self.paused.push(seat)
         self.pool.release(slot)
-        if self.prefix_index is not None:
-            self.prefix_index.remove(slot)
+        for index in (self.prefix_index, self.pending):
+            if index is not None:
+                index.remove(slot)
         self.stats += EngineStats(preemptions=1)
+
+    def _requeue_followers(self, slot: int) -> None:
+        """``slot`` leaves while rows wait for its prompt's K/V (they share its pages, not yet
+        filled): they give their pages back and are seated again first, from scratch. Bounded by rows."""
+        for follower in self.prefilling.followers(slot):
+            self._requeue_followers(follower)
+            self.paused.push(self.prefilling.remove(follower))
+            self.pool.release(follower)
+            if self.pending is not None:
+                self.pending.remove(follower)
+            self.stats += EngineStats(preemptions=1)
 
     def _admit(self) -> Admission | None:
         """Re-seat preempted rows (oldest first), then seat waiting requests in free slots (FIFO),
-        as far as the page pool allows; plan their prefill, sharing every prompt prefix a page or a
-        running slot holds (the prefix cache) instead of computing it."""
+        as far as the page pool allows, sharing every prompt prefix a page or a running slot holds
+        (the prefix cache) instead of computing it; the seated rows join the prefilling queue."""
         free = self.table.free_slots()
         waiting = [self.waiting[i] for i in range(min(len(self.waiting), len(free)))]
         for r in waiting:
             if r.prefix_hashes is None:
                 r.prefix_hashes = block_hashes(r.prompt_ids, self.pool.page_size) if self.page_index is not None else []
-        seats = list(self.paused.seats.values()) + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
-                                                    for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
-        plan = self.planner.plan(seats)
-        if plan.seated == 0:
+        paused = list(self.paused.seats.values())
+        seats = paused + [Seat(int(s), r.prompt_ids, r.prefix_hashes, True)
+                          for s, r in zip(free.tolist(), waiting)]  # SYNC: none (host numpy)
+        plan = self.planner.plan(seats, self.pending)
+        if not plan.seated:
             return None
-        resumed = [s.slot for s in seats[: plan.seated] if not s.new]
+        for seat, how in zip(seats, plan.seated):
+            self.prefilling.add(seat, how)
+        resumed = [s.slot for s in paused[: len(plan.seated)]]
         for slot in resumed:
             self.paused.pop(slot)
-        reqs = [self.waiting.popleft() for _ in range(plan.seated - len(resumed))]
+        reqs = [self.waiting.popleft() for _ in range(len(plan.seated) - len(resumed))]
         slots = free[: len(reqs)]
         now = time.perf_counter()
         for slot, r in zip(slots.tolist(), reqs):  # SYNC: none (host numpy)
@@ -216,13 +268,12 @@ class Scheduler:
             self._admissions += 1
             self.order[slot] = self._admissions
         self.table.admit(slots, reqs)
-        masks = self.grammars.admit(slots, [r.params.structured for r in reqs], [r.reasoning is not None for r in reqs])
+        self.grammars.admit(slots, [r.params.structured for r in reqs], [r.reasoning is not None for r in reqs])
         held = sum(len(r.prompt) for r in reqs) - plan.computed
         self.stats += EngineStats(admitting_steps=1, prefill_tokens=plan.computed, prefix_cache_hit_tokens=held,
                                   recomputed_tokens=plan.recomputed)
         return Admission(slots, np.asarray([len(r.prompt) for r in reqs], dtype=np.int64),
-                         slot_params(reqs, self.eos_token_ids), plan.stages, masks, self.table.prefill_paths(slots),
-                         self.table.logprobs.width(slots), np.asarray(resumed, dtype=np.int64))
+                         slot_params(reqs, self.eos_token_ids), plan.copies, np.asarray(resumed, dtype=np.int64))
 
     def update(self, step: ScheduledStep, out: StepOutput) -> list[RequestOutput]:
         """Fold a step's read into the host book → the requests that finished (rows the host ends
@@ -232,14 +283,21 @@ class Scheduler:
                                   prefill_token_slots=out.prefill_slots)
         if out.packed is None:
             return done
+        self.stats += EngineStats(read_steps=1)
         it, rows = step.iteration, step.rows
         if it is not None:
-            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots), page_iterations=self.pool.in_use)
+            # a slot whose prompt chunk rode in the iteration's forward worked in it too
+            chunked = 0 if step.prefill is None else len({c.slot for g in step.prefill.groups for c in g})
+            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots) + chunked,
+                                      page_iterations=self.pool.in_use)
         rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
         if self.grammars.any(rows):
             self.grammars.advance(rows, self.table.generated)
         if it is not None and it.arm is not None:
-            self.policy.observe(it.arm, len(it.slots), time.perf_counter() - out.started, rec.tokens, rec.live)
+            # a step whose forward also computed prompt chunks times more than the arm: acceptance only
+            chunked = step.prefill is not None and bool(step.prefill.groups)
+            seconds = None if chunked else time.perf_counter() - out.started
+            self.policy.observe(it.arm, len(it.slots), seconds, rec.tokens, rec.live)
         ended = dict(zip(rec.finished.tolist(), rec.reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(rows)
         failed = self.grammars.take_failed()      # rows whose own grammar failed: they end in error
@@ -270,10 +328,13 @@ class Scheduler:
         del self.requests[req.request_id]
         self.grammars.release(slot)
         # Its pages go back (whole prompt pages stay cached for later prompts sharing them).
+        self._requeue_followers(slot)
         self.pool.release(slot)
         self.paused.pop(slot)
-        if self.prefix_index is not None:
-            self.prefix_index.remove(slot)
+        self.prefilling.remove(slot)
+        for index in (self.prefix_index, self.pending):
+            if index is not None:
+                index.remove(slot)
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, rel.stats, hit.text, lp)
         stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
