@@ -111,6 +111,10 @@ class PrefillWork:
     paths: SamplingPaths
     logprobs: int | None
     copies: tuple[PromptCopy, ...] = ()
+    # Runs ahead of the iteration in a forward of its own, and the iteration's rows are rows it
+    # completes (an idle engine: they take their first cycle in the same step); else it rides in
+    # the iteration's AR forward and its completed rows start in the next step.
+    ahead: bool = False
 
     @property
     def tokens(self) -> int:

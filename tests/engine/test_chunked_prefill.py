@@ -108,6 +108,21 @@ def test_preemption_while_prefilling_keeps_every_token(model, speculative, monke
         assert out.token_ids == hf_greedy(hf, prompt, 40, engine.eos_token_ids)
 
 
+@pytest.mark.parametrize("budget", [10_000, 40])
+def test_rows_completing_together_out_of_seat_order_are_exact(model, budget):
+    """Every slot filled at once, an identical prompt and a shared prefix among them: the identical
+    prompt completes with the row it copies (out of seat order), and the first cycle runs over every
+    slot in the same step; each row is still transformers' greedy decoding."""
+    base = _prompts(6, seed=8, low=20, high=60)
+    prompts = [base[0], base[1], base[2], base[0], base[3], base[0][:16] + [7, 7, 7], base[4], base[5]]
+    engine = OrthrusEngine(model, max_batch_size=len(prompts), max_seq_len=128, max_num_batched_tokens=budget)
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    hf = hf_twin(model)
+    for prompt, out in zip(prompts, got):
+        assert out.token_ids == hf_greedy(hf, prompt, 8, engine.eos_token_ids)
+    assert engine.stats.prefix_cache_hit_tokens >= len(base[0]) + 16
+
+
 def test_the_budget_is_checked():
     with pytest.raises(ValueError, match="max_num_batched_tokens must be an int >= 1"):
         OrthrusEngine(tiny_model(), max_num_batched_tokens=0)

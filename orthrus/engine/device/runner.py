@@ -24,7 +24,7 @@ from orthrus.engine.device.proposer import DiffusionProposer, Proposer
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.packed import Packed
-from orthrus.engine.step import AR, Iteration, ScheduledStep, StepOutput
+from orthrus.engine.step import AR, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.model.backends import AttentionBackend, choose_backend
 from orthrus.engine.device.kv_sizing import check_pool, pool_tokens
 from orthrus.model.cache import PagedKVCache
@@ -116,18 +116,15 @@ class ModelRunner:
                 copy.apply(self.cache, self.state.prompt_hidden)
         chunk = admission.chunk_forward(work, idx) if work is not None else None
         started = time.perf_counter()
+        if work is not None and (work.ahead or plan is None):
+            self._prefill(work, chunk, idx, alone=True)
         parts = []
         if plan is not None:
-            eager = chunk is not None or not self.static_shapes or where is None
-            parts.append(self._iterate(plan, it, rows, idx, eager, chunk))
-        elif chunk is not None:
-            kernels.prefill_chunks(self.parts, chunk)
-        late = admission.prefix_copy("late.", work.copies, idx) if work is not None else None
-        if late is not None:                    # identical prompts take a completed row's partial page, hidden
-            late.apply(self.cache, self.state.prompt_hidden)
-        if work is not None and len(work.done):
-            masks = None if work.first_masks is None else from_staged(idx["first_masks"], work.first_masks.shape)
-            kernels.sample_first(self.parts, idx["done"], idx["done_lens"], masks, work.paths, work.logprobs)
+            riding = None if work is None or work.ahead else chunk
+            eager = riding is not None or not self.static_shapes or where is None
+            parts.append(self._iterate(plan, it, rows, idx, eager, riding))
+            if work is not None and not work.ahead:
+                self._prefill(work, chunk, idx, alone=False)
         slots = (0 if work is None else work.tokens, 0 if plan is None else plan.rows * (2 * plan.block or 1))
         if not step.reads:
             return StepOutput(None, started, *slots)
@@ -139,6 +136,18 @@ class ModelRunner:
             n = len(rows)
             host = np.concatenate([host[:n][where], host[n:]]) if len(step.settled) else host[where]
         return StepOutput(Packed.unpack(host, step.logprobs), started, *slots)
+
+    def _prefill(self, work: PrefillWork, chunk: ChunkForward | None, idx: dict[str, torch.Tensor], alone: bool) -> None:
+        """The prefill's chunks in a forward of their own (``alone``; else they rode in the
+        iteration's), then the copies for identical prompts and the completed rows' first tokens."""
+        if alone and chunk is not None:
+            kernels.prefill_chunks(self.parts, chunk)
+        late = admission.prefix_copy("late.", work.copies, idx)
+        if late is not None:                    # identical prompts take a completed row's partial page, hidden
+            late.apply(self.cache, self.state.prompt_hidden)
+        if len(work.done):
+            masks = None if work.first_masks is None else from_staged(idx["first_masks"], work.first_masks.shape)
+            kernels.sample_first(self.parts, idx["done"], idx["done_lens"], masks, work.paths, work.logprobs)
 
     def _stage_indices(self, step: ScheduledStep, plan: IterationPlan | None, rows: np.ndarray | None
                        ) -> dict[str, torch.Tensor]:
@@ -168,6 +177,8 @@ class ModelRunner:
         its bucket with free slots (never those in ``busy``: rows that sit it out) unless it is
         constrained (never captured) or too few slots are free; it then runs eagerly."""
         constrained = it.grammar is not None
+        # rows in slot order: an all-slots iteration reads the cache as slot i = row i (no gather)
+        assert (np.diff(it.slots) > 0).all(), "an iteration's rows are ascending slots"
         padding = pad_slots(it.slots, self.num_slots, busy) if self.static_shapes and not constrained else None
         if padding is None:
             return PlacedIteration(IterationPlan(it.block, len(it.slots), len(it.slots) == self.num_slots, it.kv_len,

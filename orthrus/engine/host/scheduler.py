@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
@@ -119,19 +120,33 @@ class Scheduler:
         self._make_room()
         adm = self._admit() if self.paused or (self.waiting and not self.table.busy_mask.all()) else None
         slots = self._running()
-        remaining = self.table.remaining(slots)
-        # (a constrained row whose grammar failed at admission sits its first step out and ends at the update)
-        settle = (remaining <= 0) | self.grammars.awaiting_first(slots, self.table.count)
-        if self.grammars.failed:
-            settle |= np.isin(slots, list(self.grammars.failed))
-        live = slots[~settle]
-        it = self._iteration(live, int(remaining.max())) if len(live) else None
+        live, settled = self._live(slots)
+        it = self._iteration(live) if len(live) else None
         prefill = self._prefill_work(0 if it is None else len(live) * it.width)
-        settled = slots[settle] if prefill is None else np.concatenate([slots[settle], prefill.done])
-        read = slots if prefill is None else np.concatenate([slots, prefill.done])
+        done = np.zeros(0, dtype=np.int64) if prefill is None else prefill.done
+        if it is None and len(done):
+            # An idle engine: the rows this prefill completes take their first cycle in this same
+            # step, the prefill's forward running first on its own (a batch that arrives at once
+            # would otherwise spend a step on its first tokens alone).
+            live, settle = self._live(done)
+            it = self._iteration(live) if len(live) else None
+            prefill = replace(prefill, ahead=True)
+            settled = np.concatenate([settled, settle])
+        else:
+            settled = np.concatenate([settled, done])
+        read = np.concatenate([slots, done])
         out = np.union1d(self.paused.slots(), self.prefilling.slots())   # hold a slot, sit the step out
         return ScheduledStep(kill, adm, it, settled, self.table.logprobs.width(read), self.pool.take_entries(),
                              out, prefill)
+
+    def _live(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``slots`` split into the rows an iteration runs and those that sit it out and only have
+        their result packed: no tokens left, or a constrained row before the host has its first token
+        (its masks need it), or one whose grammar failed at admission (it ends at the update)."""
+        settle = (self.table.remaining(slots) <= 0) | self.grammars.awaiting_first(slots, self.table.count)
+        if self.grammars.failed:
+            settle |= np.isin(slots, list(self.grammars.failed))
+        return slots[~settle], slots[settle]
 
     def _prefill_work(self, running_tokens: int) -> PrefillWork | None:
         """Chunks of prefilling rows in what the running rows leave of the token budget; the rows
@@ -141,7 +156,7 @@ class Scheduler:
             self.planner.register(seat)
             if self.pending is not None:
                 self.pending.remove(seat.slot)
-        done = np.asarray([s.slot for s in taken.complete if s.new], dtype=np.int64)
+        done = np.sort(np.asarray([s.slot for s in taken.complete if s.new], dtype=np.int64))   # slots ascending
         if not taken.chunks and not len(done):
             return None
         masks = self.grammars.first[done] if self.grammars.any(done) else None
@@ -152,8 +167,9 @@ class Scheduler:
         """Occupied slots that are neither paused (preempted) nor prefilling, ascending."""
         return np.flatnonzero(self.table.busy_mask & ~self.paused.mask & ~self.prefilling.mask)
 
-    def _iteration(self, live: np.ndarray, remaining: int) -> Iteration:
-        """One cycle or AR step over the ``live`` rows (``remaining``: the most tokens any occupied row may still take)."""
+    def _iteration(self, live: np.ndarray) -> Iteration:
+        """One cycle or AR step over the ``live`` rows."""
+        remaining = int(self.table.remaining(live).max())      # the most tokens any of them may still take
         chosen, paths = self._choose_block(len(live)), self.table.paths(live)
         # A block longer than any row can still accept is wasted work. Capping it changes a sampled
         # row's random draws (the draft block's length is part of them), so a seeded row would
@@ -287,8 +303,8 @@ class Scheduler:
         it, rows = step.iteration, step.rows
         if it is not None:
             # a slot whose prompt chunk rode in the iteration's forward worked in it too
-            chunked = 0 if step.prefill is None else len({c.slot for g in step.prefill.groups for c in g})
-            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(it.slots) + chunked,
+            worked = set(it.slots.tolist()) | ({c.slot for g in step.prefill.groups for c in g} if step.prefill else set())
+            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(worked),
                                       page_iterations=self.pool.in_use)
         rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
         if self.grammars.any(rows):
