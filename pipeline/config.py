@@ -211,6 +211,13 @@ class EngineKwargs(_Section):
         "every slot at full length on CPU (never preempts); on GPU what 90% of free memory holds after "
         "the model, less 2 GiB, capped at that."))
 
+    max_num_batched_tokens: int | None = Field(None, ge=1, description=(
+        "The step's token budget (vLLM's name): each engine step runs ONE forward over the running rows' "
+        "blocks (a speculative cycle's verify block, or an AR step's token) and then chunks of the prompts "
+        "being prefilled, oldest first, up to this many tokens in all. A long prompt is so prefilled over "
+        "several steps while the other rows keep decoding. Smaller: running rows wait less behind long "
+        "prompts; larger: prompts start sooner. None: 8192 on GPU, 2048 on CPU."))
+
     @model_validator(mode="after")
     def _flash_needs_half_precision(self) -> "EngineKwargs":
         if self.attention == "flash" and self.dtype == "float32":

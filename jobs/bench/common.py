@@ -25,7 +25,7 @@ RESULTS = "bench-results"
 # workload → its module (imported only when it runs: several need the job's stack)
 WORKLOADS = {"speed": "speed", "logprobs": "logprobs", "vocab": "vocab", "prefix": "prefix", "ab": "ab",
              "structured": "structured", "short": "short", "scale": "scale", "storage": "storage",
-             "reasoning": "reasoning", "paged": "paged", "prefix_grouping": "prefix_grouping"}
+             "reasoning": "reasoning", "paged": "paged", "prefix_grouping": "prefix_grouping", "flat": "flat"}
 DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only WORKLOAD: the same).
 
     speed       (default) Orthrus vs our AR mode vs transformers generate, per batch size; on CPU
@@ -37,6 +37,7 @@ DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only W
     reasoning   thinking on with a JSON schema: speculative ÷ AR, constrained ÷ free
     paged       the paged KV cache: rows in flight at a fixed pool vs the static layout's
     prefix_grouping  rows ordered by prompt tokens (per window, global) vs shuffled: prefill vs the ideal
+    flat        the flat step: prefill positions per prompt token and decoding rows' waits vs a git ref
 
 Results: bench-results/<workload>.json (--out to write elsewhere); speed also bench-results/speed.png.
 python -m jobs.bench WORKLOAD --help lists that workload's own options.

@@ -103,7 +103,7 @@ class GenerationStage:
         return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
                              speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache,
-                             kv_cache_tokens=kv_cache_tokens)
+                             kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=e.max_num_batched_tokens)
 
     async def _before_batch(self) -> None:
         """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""

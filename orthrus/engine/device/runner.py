@@ -116,14 +116,18 @@ class ModelRunner:
                 copy.apply(self.cache, self.state.prompt_hidden)
         chunk = admission.chunk_forward(work, idx) if work is not None else None
         started = time.perf_counter()
-        if work is not None and (work.ahead or plan is None):
+        graphed = plan is not None and self.static_shapes and where is not None and not plan.constrained
+        # Chunks ride in the iteration's AR forward, except ahead of an idle engine's first cycle and
+        # beside a graphed iteration (a captured graph has fixed shapes: until graphs are captured
+        # per token-count bucket, the chunks run in a forward of their own before it).
+        alone = work is not None and (work.ahead or plan is None or graphed)
+        if alone:
             self._prefill(work, chunk, idx, alone=True)
         parts = []
         if plan is not None:
-            riding = None if work is None or work.ahead else chunk
-            eager = riding is not None or not self.static_shapes or where is None
-            parts.append(self._iterate(plan, it, rows, idx, eager, riding))
-            if work is not None and not work.ahead:
+            riding = None if work is None or alone else chunk
+            parts.append(self._iterate(plan, it, rows, idx, riding is not None or not graphed, riding))
+            if work is not None and not alone:
                 self._prefill(work, chunk, idx, alone=False)
         slots = (0 if work is None else work.tokens, 0 if plan is None else plan.rows * (2 * plan.block or 1))
         if not step.reads:
