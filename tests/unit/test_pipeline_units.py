@@ -168,15 +168,15 @@ def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_d
 
 # ---------------------------------------------------------------- detokenize + stop strings
 
-def test_detokenize_uses_the_engines_stop_text_and_decodes_the_rest():
+def test_detokenize_uses_the_engines_text_and_decodes_the_rest():
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     ids = tok("    return x\n\ndef g():", add_special_tokens=False)["input_ids"]
     batch = pa.table({S.TEXT_IDS: pa.array([ids, ids, None], pa.list_(pa.int32())),
-                      S.STOP_TEXT: ["cut here", None, None], "finish_reason": ["stop", "length", "error"],
+                      S.ENGINE_TEXT: ["cut here", None, None], "finish_reason": ["stop", "length", "error"],
                       "error": [None, None, "boom"]})
     rows = detokenize_batch(batch, tok).to_pylist()
     assert [r["generated_text"] for r in rows] == ["cut here", tok.decode(ids), None]
-    assert [r["error"] for r in rows] == [None, None, "boom"] and S.STOP_TEXT not in rows[0]
+    assert [r["error"] for r in rows] == [None, None, "boom"] and S.ENGINE_TEXT not in rows[0]
 
 
 # ---------------------------------------------------------------- output dir: atomic commits, resume keys
