@@ -203,6 +203,7 @@ def test_success_marker_through_a_stop_a_resume_and_a_repair(head, tiny_orthrus_
         assert proc.returncode == status, proc.stdout[-4000:] + proc.stderr[-4000:]
         for notice in ("core_worker.cc", "Progress bars disabled", "Starting execution of Dataset"):
             assert notice not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+        assert "\x1b[" not in proc.stdout + proc.stderr      # no colour codes in a pipe (Ray's actor prefixes)
         return json.loads((out / "summary.json").read_text())["run"]
 
     # 1. every row outlives a 1 ms row timeout: six error rows, committed, so the output is complete
