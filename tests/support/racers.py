@@ -40,9 +40,21 @@ def race(script: str, args: list[str], n: int, gate: Path, cwd: Path) -> list[st
         wait_for(lambda: len(list(gate.glob("ready-*"))) == n or any(p.poll() is not None for p in procs),
                  f"{n} racers to start", timeout=120)
         (gate / "go").touch()
-        first = [p.stdout.readline() for p in procs]          # every racer has answered (the winner holds)
+        lines = [_until_answer(p) for p in procs]            # every racer has answered (the winner holds)
     finally:
         (gate / "go").touch()
         (gate / "release").touch()
-    rest = [p.communicate(timeout=120)[0] for p in procs]
-    return sorted((a + b).strip().splitlines()[-1] if (a + b).strip() else "" for a, b in zip(first, rest))
+    for p, seen in zip(procs, lines):
+        seen += p.stdout.read().splitlines()                  # through the same buffered reader
+        p.wait(timeout=120)
+    return sorted(seen[-1] if seen else "" for seen in lines)
+
+
+def _until_answer(proc: subprocess.Popen) -> list[str]:
+    """The racer's lines up to its answer ("won" or "refused"; a takeover notice may come first)."""
+    seen: list[str] = []
+    while line := proc.stdout.readline():
+        seen.append(line.rstrip("\n"))
+        if seen[-1] in ("won", "refused"):
+            break
+    return seen
