@@ -25,8 +25,14 @@ qwen3-tokenizer-or-warn:
 	@bash jobs/fetch_qwen3_tokenizer.sh $(QWEN3_TOKENIZER) || \
 		echo "WARNING: no Qwen3 tokenizer in $(QWEN3_TOKENIZER): the Qwen3-vocabulary tests will fail" >&2
 
+# Everything, on pytest-xdist workers (2: this project's machines have 2 cores). --dist loadfile
+# keeps a module on one worker, so its module-scoped Ray head starts once; each head has its own
+# ports and temp dir (tests/support/ray_head.py). --no-loadscope-reorder hands modules out in
+# collection order, which tests/conftest.py sets: the e2e modules first (the longest work), the
+# modules with an in-process Ray cluster last in every worker.
+TEST_WORKERS ?= 2
 test: $(STAMP) qwen3-tokenizer-or-warn
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q tests
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The fast tiers (unit + engine, no slow marks): the edit-test loop, under a minute. Two xdist
 # workers (this project's machines have 2 cores): 37 s instead of 74 s; the tests share no state.

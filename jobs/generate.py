@@ -98,9 +98,11 @@ def _connect(address: str | None, terminal: QuietTerminal | None) -> str:
     if terminal is None:
         return connect(address)
     terminal.start()
-    print(f"[orthrus] Ray's own notices: {terminal.path} (--verbose prints them here)", flush=True)
+    print(f"[orthrus] Ray's own notices and the actors' lines: {terminal.path} (--verbose prints them here)",
+          flush=True)
     mode = connect(address)
     terminal.divert_native()     # after ray.init: the processes it started keep the real stderr
+    terminal.divert_workers()    # after ray.init: it installs the relay of the actors' lines
     return mode
 
 

@@ -68,11 +68,11 @@ ROW = "__row"                          # read -> driver: the row's index in that
 SAMPLES = "__samples"                  # read -> preprocess: the row's pending sample indices
 DERIVED_ID = "__derived_id"            # read -> preprocess: '<file name>:<row index>' (no id column)
 TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
-STOP_TEXT = "__stop_text"              # engine -> detokenize (completion cut before a stop string)
+ENGINE_TEXT = "__engine_text"          # engine -> detokenize (RequestOutput.text, when usable as is)
 BATCH = "__batch"                      # generate -> driver: one record per batch, on its first row (actor/records.py)
 
 FINISH_REASONS = ("stop", "length", "error")
-GENERATED_TYPES = {**{f.name: f.type for f in GENERATED_FIELDS}, TEXT_IDS: pa.list_(pa.int32()), STOP_TEXT: pa.string()}
+GENERATED_TYPES = {**{f.name: f.type for f in GENERATED_FIELDS}, TEXT_IDS: pa.list_(pa.int32()), ENGINE_TEXT: pa.string()}
 
 
 def output_schema(passthrough: pa.Schema | list[pa.Field]) -> pa.Schema:

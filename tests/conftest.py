@@ -125,7 +125,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     Modules that start a local Ray cluster in this process (``ray_local``) run after all others: once
     such a cluster has been shut down, a later in-process driver of another cluster (a head fixture's)
-    sees its first actor cancelled before it runs (Ray Data keeps per-process state)."""
+    sees its first actor cancelled before it runs (Ray Data keeps per-process state). Under
+    pytest-xdist with ``--dist loadfile`` (``make test``) each worker is handed modules in this order,
+    so the rule holds in every worker; the other e2e modules (collected first: ``e2e`` sorts before
+    ``engine`` and ``unit``) are handed out first, and the short modules fill in at the end."""
     e2e = Path(__file__).resolve().parent / "e2e"
     for item in items:
         if e2e in item.path.parents:

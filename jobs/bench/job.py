@@ -148,7 +148,7 @@ def stop_string_waste(config_path: str) -> dict:
     cut = engine.generate(ids, [SamplingParams(max_new_tokens=r["__request"]["max_tokens"], stop=stops) for r in rows])
     before = after = stopped = 0
     for p, c in zip(plain, cut):
-        if c.text is None:              # not ended by a stop string
+        if not isinstance(c.stop_reason, str):    # not ended by a stop string
             continue
         assert p.token_ids[: len(c.token_ids)] == c.token_ids
         end = next(n for n in range(1, len(p.token_ids) + 1)

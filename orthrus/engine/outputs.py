@@ -42,9 +42,11 @@ class RequestOutput:
     """One finished request.
 
     ``token_ids``: generated ids; a stop token that ended the row is included, a stop string is not
-    (the ids end where the decoded text ends right before it). ``text``: only for rows ended by a
-    stop string, the decoded completion cut exactly before the stop string (a string that starts
-    inside a token keeps that token's earlier characters here). ``stop_reason``: the stop string or
+    (the ids end where the decoded text ends right before it). ``text``: the decoded completion
+    (``skip_special_tokens=True``, the stop token that ended the row left out) whenever the engine
+    has a tokenizer, else None; for a row ended by a stop string it is cut exactly before the stop
+    string (a string that starts inside a token keeps that token's earlier characters here); None
+    also for ids the tokenizer cannot decode. ``stop_reason``: the stop string or
     stop token id that ended the row, else None.
 
     Logprobs (only for requests with ``SamplingParams.logprobs`` set, else all None):

@@ -7,7 +7,11 @@ matches, exactly as a CUDA OOM would surface from the engine. Directives (comma-
 
     oom_if_batch_gt:N   every generate call with more than N rows runs out of memory
     oom_on_id:ID        every generate call that holds the row with id ID runs out of memory
-    sleep_per_batch:S   every batch takes S seconds longer (a slow device; for the wall-time guard)
+    sleep_per_batch:S   every batch takes S seconds longer (a slow device)
+    hold_after:N:PATH   each actor runs its first N batches, then holds every later batch until the
+                        file PATH exists (a barrier: a test orders its steps against a running job by
+                        creating PATH, never by how long a batch takes; PATH never created = a device
+                        that stalls, for the wall-time guard)
 
 e.g. ``ORTHRUS_FAULT_INJECT=oom_if_batch_gt:2,oom_on_id:row-7``. The driver reads the variable
 (:func:`stage_for`, from ``run/dataset.py``): set, the actors are a :class:`FaultyStage` given the
@@ -39,30 +43,43 @@ class FaultInjector:
     max_rows: int | None = None
     oom_ids: frozenset[str] = frozenset()
     sleep_s: float = 0.0
+    hold_after: int | None = None      # batches each actor runs before it waits for ``hold_file``
+    hold_file: str | None = None
 
     @classmethod
     def parse(cls, spec: str | None) -> "FaultInjector | None":
         """Parse a spec; a malformed one is an error (a silently ignored fault would fake a pass)."""
         if not spec:
             return None
-        max_rows, ids, sleep_s = None, set(), 0.0
+        max_rows, ids, sleep_s, hold = None, set(), 0.0, (None, None)
         for item in spec.split(","):
             kind, sep, arg = item.strip().partition(":")
+            count, _, path = arg.partition(":")
             if kind == "oom_if_batch_gt" and sep and arg.isdigit():
                 max_rows = int(arg)
             elif kind == "oom_on_id" and sep and arg:
                 ids.add(arg)
             elif kind == "sleep_per_batch" and sep and arg.replace(".", "", 1).isdigit():
                 sleep_s = float(arg)
+            elif kind == "hold_after" and count.isdigit() and path:
+                hold = (int(count), path)
             else:
-                raise ValueError(f"{FAULT_ENV}: cannot parse {item!r} (expected oom_if_batch_gt:N, oom_on_id:ID "
-                                 "or sleep_per_batch:S)")
-        return cls(max_rows, frozenset(ids), sleep_s)
+                raise ValueError(f"{FAULT_ENV}: cannot parse {item!r} (expected oom_if_batch_gt:N, oom_on_id:ID, "
+                                 "sleep_per_batch:S or hold_after:N:PATH)")
+        return cls(max_rows, frozenset(ids), sleep_s, *hold)
 
     async def slow_down(self) -> None:
         """Sleep ``sleep_per_batch`` seconds (without blocking the actor's other batches)."""
         if self.sleep_s:
             await asyncio.sleep(self.sleep_s)
+
+    async def hold(self, batches_before: int) -> None:
+        """Past the first ``hold_after`` batches, wait until ``hold_file`` exists (polled: the test that
+        creates it is another process; the actor's other batches keep running meanwhile)."""
+        if self.hold_file is None or batches_before < self.hold_after:
+            return
+        while not os.path.exists(self.hold_file):
+            await asyncio.sleep(0.05)
 
     def before_generate(self, ids: list[str]) -> None:
         """Raise ``torch.OutOfMemoryError`` if this call must fail."""
@@ -82,11 +99,14 @@ class FaultyStage(GenerationStage):
 
     def __init__(self, plan: StagePlan, faults: str) -> None:
         self.faults = FaultInjector.parse(faults)
+        self._batches = 0        # batches this actor has begun (hold_after counts them)
         super().__init__(plan)
         print(f"[orthrus] WARNING: fault injection active ({FAULT_ENV}={faults!r}); test-only", flush=True)
 
     async def _before_batch(self) -> None:
         if self.faults:
+            self._batches += 1
+            await self.faults.hold(self._batches - 1)
             await self.faults.slow_down()
 
     def _before_generate(self, ids: list[str]) -> None:

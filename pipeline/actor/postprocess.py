@@ -4,9 +4,11 @@ Decoding text costs microseconds per token, so it runs right after the engine in
 a separate Ray stage would add a pool of CPU workers, an object-store round trip of the token ids
 and per-block scheduling delay before each batch can be committed.
 
-Stop strings are applied inside the engine (``orthrus/stop_strings.py``): a row ends in the
-iteration its stop string appears, its token ids end right before it, and the engine hands back
-the completion text cut exactly before the stop string (``STOP_TEXT``), which is used as is.
+The engine decodes each finished row once (``RequestOutput.text``; ``ENGINE_TEXT``) and that text is
+used as is; only a row it did not decode (ids it cannot decode, or a reasoning row's two parts) is
+decoded here. Stop strings are applied inside the engine (``orthrus/engine/host/stop_strings.py``):
+a row ends in the iteration its stop string appears, its token ids end right before it, and its
+text is cut exactly before the stop string.
 """
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ from pipeline.requests.errors import ERROR, finish_columns, row_error
 
 
 def detokenize_batch(batch: pa.Table, tokenizer, reasoning: ReasoningTokens | None = None) -> pa.Table:
-    """Add ``generated_text`` (the engine's stop-string text, else the decoded ids; null without a
+    """Add ``generated_text`` (the engine's text, else the decoded ids; null without a
     tokenizer, i.e. ``detokenize=False``) and ``reasoning`` (:func:`_split`: a reasoning row's think
     block, apart from its answer); decide each row's ``finish_reason`` and ``error``
     (``errors.finish_columns``); drop the internal columns."""
     text_ids = batch[S.TEXT_IDS].to_pylist()
-    stop_text = batch[S.STOP_TEXT].to_pylist()
+    engine_text = batch[S.ENGINE_TEXT].to_pylist()
     reasons = batch["finish_reason"].to_pylist()
     errors = batch[ERROR].to_pylist()
     thinking = batch["num_reasoning_tokens"].to_pylist() \
@@ -31,18 +33,18 @@ def detokenize_batch(batch: pa.Table, tokenizer, reasoning: ReasoningTokens | No
     completions: list[str | None] = [None] * len(text_ids)
     thoughts: list[str | None] = [None] * len(text_ids)
     todo: list[int] = []                   # rows whose text is decoded from their ids
-    for i, (reason, stop) in enumerate(zip(reasons, stop_text)):
+    for i, (reason, text) in enumerate(zip(reasons, engine_text)):
         if reason is None or errors[i] is not None or tokenizer is None:
             continue
-        if stop is None:
+        if text is None:
             todo.append(i)
         elif thinking[i] is None:
-            completions[i] = stop
+            completions[i] = text
         else:                              # a stop string's cut text: split at the think end's text
-            thoughts[i], completions[i] = _split_text(stop, reasoning, tokenizer)
+            thoughts[i], completions[i] = _split_text(text, reasoning, tokenizer)
     _decode_rows(tokenizer, todo, text_ids, thinking, reasoning, (completions, thoughts, errors))
     reasons, errors = finish_columns(reasons, errors)     # the one decision: they agree by construction
-    table = batch.drop_columns([S.TEXT_IDS, S.STOP_TEXT, "finish_reason", ERROR])
+    table = batch.drop_columns([S.TEXT_IDS, S.ENGINE_TEXT, "finish_reason", ERROR])
     for name, typ, values in (("generated_text", pa.string(), completions), ("reasoning", pa.string(), thoughts),
                               ("finish_reason", pa.string(), reasons), (ERROR, pa.string(), errors)):
         table = table.append_column(pa.field(name, typ), pa.array(values, typ))

@@ -271,7 +271,7 @@ _ASSEMBLED = ("generated_tokens", "num_generated_tokens", "finish_reason", ERROR
               "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
               "time_in_engine_s", "batch_wall_seconds", "audit_match", "audit_first_divergence", "model",
               "num_reasoning_tokens", "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens",
-              S.TEXT_IDS, S.STOP_TEXT)
+              S.TEXT_IDS, S.ENGINE_TEXT)
 
 
 def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:

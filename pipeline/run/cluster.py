@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def connect(address: str | None = None) -> str:
@@ -13,6 +14,10 @@ def connect(address: str | None = None) -> str:
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
+    # Ray colours the "(MapWorker pid=...)" prefix of the actors' lines it prints here; in a file or a
+    # pipe the codes are noise (Ray reads the variable as it prints; a user's own setting wins).
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         return "cluster" if address else "local"
     if address:

@@ -6,8 +6,14 @@ token-authentication notice, "Started a local Ray instance", Ray Data's executio
 though nothing is wrong: Ray Data itself passes its actors' constructor arguments through the
 object store, ray-project/ray#53727). By default the job sends them to a log file instead:
 
-- Python: the console handlers of the ``ray`` and ``ray.data`` loggers keep only ERROR and above
-  (a real Ray error still reaches the terminal); a file handler gets everything from INFO up.
+- Python: the console handler of the ``ray`` logger keeps only ERROR and above (a real Ray error
+  still reaches the terminal); ``ray.data``'s keeps only CRITICAL: its errors are an operator's
+  traceback (about 120 lines for a refused input file) of an exception that reaches the job, which
+  then says what went wrong in one line (a refusal) or one paragraph (a crash). A file handler gets
+  everything from INFO up.
+- The actors' lines: Ray relays what each actor prints (a line per batch, behind a
+  ``(MapWorker(MapBatches(GenerationStage)) pid=...)`` prefix) to the driver; their stdout lines go
+  to the log file, their stderr (a warning, a traceback) still to the terminal.
 - C++: the core worker writes to file descriptor 2 directly, so descriptor 2 is read through a pipe
   by a thread that moves the lines of :data:`KNOWN_NOTICES` to the log file and passes every other
   line through unchanged. Only listed notices are moved: an unknown C++ line may be a real error.
@@ -28,6 +34,8 @@ from pathlib import Path
 # Ray C++ notices that are not errors (matched as substrings of one line): they go to the log file.
 KNOWN_NOTICES = ("has constructor arguments in the object store and max_restarts > 0",)
 _RAY_LOGGERS = ("ray", "ray.data")
+_CONSOLE_LEVEL = {"ray": logging.ERROR, "ray.data": logging.CRITICAL}   # what still prints (see above)
+_RELAY = "ray_print_logs"     # the name of Ray's handler of the actors' lines (ray._private.worker)
 _FORMAT = "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"
 
 
@@ -50,6 +58,7 @@ class QuietTerminal:
         self._saved_stderr = None                 # sys.stderr before the diversion, if it was replaced
         self._reader: threading.Thread | None = None
         self.moved = 0                            # C++ notice lines moved to the log file
+        self._relays: list | None = None          # Ray's handlers of the actors' lines, while replaced
 
     def start(self) -> QuietTerminal:
         """Send the Python loggers' notices to the log file (their errors still print)."""
@@ -67,7 +76,7 @@ class QuietTerminal:
             for h in logger.handlers:
                 if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                     self._quieted.append((h, h.level))
-                    h.setLevel(max(h.level, logging.ERROR))
+                    h.setLevel(max(h.level, _CONSOLE_LEVEL[name]))
             logger.addHandler(self._handler)
         return self
 
@@ -89,6 +98,26 @@ class QuietTerminal:
         self._reader = threading.Thread(target=self._pump, args=(read, self._terminal_fd), name="orthrus-stderr",
                                         daemon=True)
         self._reader.start()
+
+    def divert_workers(self) -> None:
+        """The actors' stdout lines to the log file (after ``ray.init``, which installs Ray's relay);
+        their stderr lines go on to Ray's relay, the terminal."""
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        if self._relays is not None:
+            return
+        self._relays = [h for name, h in dispatcher.handlers if name == _RELAY]
+        dispatcher.remove_handler(_RELAY)
+        dispatcher.add_handler(_RELAY, self._relay)
+
+    def _relay(self, data: dict) -> None:
+        if data.get("is_err"):
+            for handler in self._relays:
+                handler(data)
+            return
+        who = data.get("actor_name") or data.get("task_name") or ""
+        for line in data.get("lines", []):
+            self._log.write(f"({who} pid={data.get('pid')}) {line}\n")
 
     def _pump(self, read: int, terminal: int) -> None:
         with open(read, "rb") as pipe:
@@ -112,6 +141,12 @@ class QuietTerminal:
             if self._reader is not None:
                 self._reader.join(timeout=2)   # a child holding a copy keeps it open: do not wait on it
             self._terminal_fd = None
+        if self._relays is not None:                # Ray's relay of the actors' lines back
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+            dispatcher.remove_handler(_RELAY)
+            for handler in self._relays:
+                dispatcher.add_handler(_RELAY, handler)
+            self._relays = None
         for h, level in self._quieted:
             h.setLevel(level)
         for name in _RAY_LOGGERS:

@@ -127,7 +127,11 @@ def test_actor_and_driver_sigkill_then_resubmit_exactly_once(head, tiny_orthrus_
     job = _job(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"}, sampling={"max_new_tokens": 40},
                engine={"batch_size": 2, "max_batch_size": 2, "speculative": False})
     sid = f"faults-{os.getpid()}-{int(time.time())}"
-    submitted = submit(head, job, wait=False, sid=sid)
+    # each actor (the first, then Ray's restart) runs 4 batches, then holds the rest at a barrier never
+    # released: both kills come mid-run, with 24 of 40 rows left at least, however fast or loaded the
+    # machine (Ray Data may hold a finished block back from the driver, hence 4 for the 2 awaited)
+    submitted = submit(head, job, wait=False, sid=sid,
+                       env_vars={"ORTHRUS_FAULT_INJECT": f"hold_after:4:{tmp_path / 'never'}"})
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     client = JobSubmissionClient(head["dashboard"])
     job_id = wait_for(lambda: client.get_job_info(sid).job_id, "the driver to start")

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import yaml
 
 from support.paths import REPO
-from support.ray_head import base_env, killpg
+from support.ray_head import base_env, killpg, wait_for
 
 N = 1000
 BAD_LINES = {17: "{not json", 400: '["an array"]'}                # malformed: error rows naming the line
@@ -46,14 +45,18 @@ def test_openai_batch_killed_and_resumed_has_every_custom_id_once(tiny_orthrus_d
            "engine": {"batch_size": 50, "max_batch_size": 16, "dtype": "float32"}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "job.yaml")]
+    # each actor runs 2 batches, then holds the rest at a barrier never released (hold_after): the kill
+    # comes after a commit with most batches unfinished, however fast or loaded the machine (of the
+    # two batches done, Ray Data may still hold one back from the driver: wait for one part)
+    held = {**base_env(), "ORTHRUS_FAULT_INJECT": f"hold_after:2:{tmp_path / 'never'}"}
     with open(tmp_path / "killed.log", "wb") as log:   # embedded Ray in the driver's own process group
-        driver = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=log, stderr=subprocess.STDOUT,
+        driver = subprocess.Popen(cmd, cwd=REPO, env=held, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
-        deadline = time.time() + 240
-        while len(list((out / "data").glob("part-*.parquet"))) < 2 and driver.poll() is None \
-                and time.time() < deadline:
-            time.sleep(0.05)
-        killpg(driver, grace=0)                           # SIGTERM then SIGKILL: the driver and its Ray
+        try:
+            wait_for(lambda: list((out / "data").glob("part-*.parquet")) or driver.poll() is not None,
+                     "a committed part", timeout=240)
+        finally:
+            killpg(driver, grace=0)                       # SIGTERM then SIGKILL: the driver and its Ray
     committed = len(list((out / "data").glob("part-*.parquet")))
     assert driver.returncode != 0 and 0 < committed < N // 50, (tmp_path / "killed.log").read_text()[-3000:]
     assert not (out / "results.jsonl").exists()           # rendered only once every row is done

@@ -18,7 +18,7 @@ import yaml
 from support.hostile import hostile_rows
 from support.job_inputs import tree_snapshot
 from support.paths import REPO
-from support.ray_head import base_env, row_keys
+from support.ray_head import base_env, row_keys, wait_for
 
 
 
@@ -66,22 +66,23 @@ def test_one_writer_per_output_dir_and_the_dedupe_repair(head, tiny_orthrus_dir,
     pq.write_table(pa.table({"id": ids, "prompt": [f"def f{i}():" for i in range(12)]}), tmp_path / "in" / "a.parquet")
     job = _job(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 4},
                engine={"batch_size": 2, "max_batch_size": 2, "max_concurrent_batches": 1})
-    first = _generate(head, job, env={"ORTHRUS_FAULT_INJECT": "sleep_per_batch:1"}, wait=False)
-    lease = tmp_path / "out" / "_lease.json"
-    deadline = time.time() + 120
-    while not lease.exists() and time.time() < deadline:
-        time.sleep(0.1)
-    holder = json.loads(lease.read_text())
-    for flag in ("--resume", "--overwrite"):            # a second job is refused at once, naming the first
-        t0 = time.time()
-        second = _generate(head, job, flag)
-        if second.returncode != 2:
-            first.kill()
-            log = first.communicate()
-            pytest.fail(f"not refused: {second.stdout[-1500:]}{second.stderr[-1500:]}\n"
-                        f"the first job: {log[0][-1500:]}{log[1][-3000:]}")
-        assert f"is in use by another job: run {holder['run_id']} (pid {first.pid} on " in second.stderr
-        assert time.time() - t0 < 60
+    # The first job holds its batches until the test creates ``gate`` (a barrier, not a sleep): it is
+    # still running, holding the lease, whatever the machine's load, until both refusals are seen.
+    gate = tmp_path / "gate"
+    first = _generate(head, job, env={"ORTHRUS_FAULT_INJECT": f"hold_after:0:{gate}"}, wait=False)
+    try:
+        lease = tmp_path / "out" / "_lease.json"
+        wait_for(lambda: lease.exists() or first.poll() is not None, "the first job's lease", timeout=120)
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        holder = json.loads(lease.read_text())
+        for flag in ("--resume", "--overwrite"):        # a second job is refused at once, naming the first
+            t0 = time.time()
+            second = _generate(head, job, flag)        # waiting for the lease would hang: the first is held
+            assert second.returncode == 2, f"not refused: {second.stdout[-1500:]}{second.stderr[-1500:]}"
+            assert f"is in use by another job: run {holder['run_id']} (pid {first.pid} on " in second.stderr
+            assert time.time() - t0 < 120             # generous: a loaded machine's start-up, not a wait
+    finally:
+        gate.touch()                                   # release the first job (also when the test fails)
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, out[-3000:] + err[-3000:]
     assert not lease.exists() and sorted(k for k, _ in row_keys((tmp_path / "out" / "data").glob("*.parquet"))) == \

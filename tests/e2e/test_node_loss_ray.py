@@ -2,9 +2,10 @@
 
 The cluster has a CPU head (no GPU) and two workers with one *logical* GPU each, so the two
 generation actors (``resources.gpus_per_replica: 1``) run on the workers (on the CPU device: there is
-no CUDA) and the driver (``python -m jobs.generate --address ...``) attaches to the head. Batches are
-slowed down with ``ORTHRUS_FAULT_INJECT=sleep_per_batch:S`` so that the job is still running when a
-node is killed.
+no CUDA) and the driver (``python -m jobs.generate --address ...``) attaches to the head. Each actor
+runs two batches, then holds the rest until the test creates a gate file
+(``ORTHRUS_FAULT_INJECT=hold_after:2:GATE``), so the job is still running when a node is killed
+however fast or loaded the machine: the test releases it only after the kill.
 
 - a worker lost without grace mid-run, and a replacement worker added: the job finishes by itself
   (exit 0) with every (id, sample_index) exactly once and no error rows;
@@ -45,7 +46,7 @@ from support.ray_head import killpg
 VENV_BIN = Path(sys.executable).parent
 
 ROWS = 40                 # one shard; batch_size 2 -> 20 batches, 8 in flight at a time (2 actors x 4)
-SLEEP_PER_BATCH = 3.0     # seconds each batch takes longer (ORTHRUS_FAULT_INJECT=sleep_per_batch:S)
+HOLD_AFTER = 2            # batches each actor runs before it waits for the gate (ORTHRUS_FAULT_INJECT=hold_after)
 JOB_TIMEOUT = 240         # seconds a job may take before the test calls it a hang
 HEAD_LOSS_GRACE = 20      # seconds a driver whose head died may take to end by itself (then SIGKILL)
 GCS_RECONNECT_S = 5       # the driver's RAY_gcs_rpc_server_reconnect_timeout_s in that test (Ray's default: 60)
@@ -175,7 +176,8 @@ class Job:
     def __init__(self, cfg: Path, gcs: str, *args: str, name: str = "job", env: dict[str, str] | None = None) -> None:
         self.out = cfg.parent / f"{name}.stdout"
         self.err = cfg.parent / f"{name}.stderr"
-        env = _env(ORTHRUS_FAULT_INJECT=f"sleep_per_batch:{SLEEP_PER_BATCH}", **(env or {}))
+        self.gate = cfg.parent / "gate"     # the test creates it to let the held batches go
+        env = _env(ORTHRUS_FAULT_INJECT=f"hold_after:{HOLD_AFTER}:{self.gate}", **(env or {}))
         with open(self.out, "wb") as o, open(self.err, "wb") as e:
             self.proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", "--config", str(cfg),
                                           "--address", gcs, *args], cwd=REPO, env=env, stdout=o, stderr=e,
@@ -274,6 +276,7 @@ def test_worker_lost_mid_run_and_replaced_every_row_exactly_once(clusters, jobs,
     committed = len(_rows(out))
     assert committed < len(expected), \
         f"the worker was removed too late to test anything ({committed} rows committed)\n{job.tail()}"
+    job.gate.touch()                                                 # the held batches may go on now
     cluster.command("add_worker")                                    # a replacement with a logical GPU
     rc = job.wait()
     print(f"worker {removed[:8]} removed {t_kill - job.t0:.1f} s after the job started, with {parts} part(s) "
@@ -300,6 +303,7 @@ def test_head_lost_mid_run_then_resume_on_a_new_cluster_exactly_once(clusters, j
         job.kill()
         ended = f"did not end by itself within {HEAD_LOSS_GRACE} s; SIGKILLed"
     cluster.shutdown()
+    job.gate.touch()                                                 # the resumed run is not held
     before = {p.name: p.read_bytes() for p in _parts(out)}
     done = [(r["id"], r["sample_index"]) for r in _rows(out)]
     print(f"driver {ended}; {len(before)} parts / {len(done)} rows committed; "

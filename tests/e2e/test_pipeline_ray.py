@@ -23,7 +23,7 @@ from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from pipeline.schema import output_schema
 from support.job_inputs import MSG_TYPE, write_parquet
 from support.paths import REPO
-from support.ray_head import WAIT_FOR_BOTH_ACTORS, base_env, part_digests, row_keys, submit
+from support.ray_head import WAIT_FOR_BOTH_ACTORS, base_env, part_digests, row_keys, submit, wait_for
 
 
 
@@ -176,21 +176,25 @@ def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthr
         write_parquet(tmp_path / "in" / f"k{s}.parquet", id=[f"k{s}-{i}" for i in range(24)],
                prompt=[f"def k{s}_{i}(a):" for i in range(24)])
     out = tmp_path / "out"
-    cfg = {"input": {"paths": [str(tmp_path / "in")]}, "output": {"path": str(out), "part_seconds": 0.5},
+    # a part per batch (part_bytes: 1); the actor runs 4 batches, then holds the rest at a barrier
+    # never released (hold_after:4:FILE), so the kill finds 2 to 4 parts and 40 of 48 rows unfinished
+    # however fast or loaded the machine (Ray Data may hold a finished block back from the driver)
+    cfg = {"input": {"paths": [str(tmp_path / "in")]},
+           "output": {"path": str(out), "part_seconds": 0.5, "part_bytes": 1},
            "model": {"path": str(tiny_orthrus_dir)}, "prompt": {"chat_template": "off"},
            "sampling": {"max_new_tokens": 48},
-           # many small AR batches: the job runs long enough to be killed between commits
            "engine": {"batch_size": 2, "max_batch_size": 2, "speculative": False}, "resources": {"replicas": 1}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "job.yaml")]
     with open(tmp_path / "killed.log", "wb") as log:  # first run: driver on the test head, killed mid-run
-        driver = subprocess.Popen(cmd, cwd=REPO, env={**base_env(), "RAY_ADDRESS": head["gcs"]}, stdout=log,
-                                  stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while len(part_digests(out)) < 2 and driver.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        driver.kill()  # SIGKILL by its own pid: no cleanup code runs
-        driver.wait()
+        driver = subprocess.Popen(cmd, cwd=REPO, env={**base_env(), "RAY_ADDRESS": head["gcs"],
+                                                      "ORTHRUS_FAULT_INJECT": f"hold_after:4:{tmp_path / 'never'}"},
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: len(part_digests(out)) >= 2 or driver.poll() is not None, "two committed parts")
+        finally:
+            driver.kill()  # SIGKILL by its own pid: no cleanup code runs
+            driver.wait()
     before = part_digests(out)
     done = row_keys(out / "data" / name for name in before)
     assert 0 < len(done) < 48, f"the run was not killed mid-way ({len(done)} rows committed)"

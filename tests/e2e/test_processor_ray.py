@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pipeline.inputs.preprocess import derive_seed
+from support.readme import python_blocks, with_paths
 
 
 QUESTIONS = [("q0", "def add(a, b):", 0.0), ("q1", "Write a haiku about tests.", 0.8),
@@ -23,31 +24,10 @@ MSG_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])
 
 
 def _readme_example(model: str, questions: Path, answers: Path) -> None:
-    """The README's "Use it in your own pipeline" example, with paths filled in."""
-    import ray
-    from pipeline import OrthrusProcessorConfig, build_orthrus_processor
-
-    config = OrthrusProcessorConfig(
-        model_source=model, batch_size=4, concurrency=1, max_concurrent_batches=2,
-        engine_kwargs={"max_batch_size": 4, "speculative": True, "dtype": "float32"})
-    processor = build_orthrus_processor(
-        config,
-        preprocess=lambda row: {
-            "id": row["id"],
-            "messages": [{"role": "user", "content": row["question"]}],
-            "sampling_params": {"temperature": row["temperature"], "max_tokens": 24, "logprobs": 2,
-                                "seed": row["seed"]},
-        },
-        postprocess=lambda row: {
-            "id": row["id"], "answer": row["generated_text"], "finish_reason": row["finish_reason"],
-            "error": row["error"], "tokens": row["generated_tokens"], "token_logprobs": row["token_logprobs"],
-            "tokens_per_cycle": row["tokens_per_cycle"],
-        },
-    )
-    ds = ray.data.read_json(str(questions))
-    ds = processor(ds)                                   # lazy: nothing has run yet
-    ds = ds.filter(lambda row: row["finish_reason"] != "error")
-    ds.write_parquet(str(answers))
+    """The README's "Use it in your own pipeline" example, read from README.md, with paths filled in."""
+    code = with_paths(python_blocks()["Use it in your own pipeline"],
+                      {"models/tiny-orthrus-py": model, "questions.jsonl": str(questions), "answers/": str(answers)})
+    exec(compile(code, "README.md (Use it in your own pipeline)", "exec"), {})
 
 
 def test_user_pipeline_equals_the_job_on_the_same_rows(ray_local, tiny_orthrus_dir, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 
 from jobs.local_s3 import iam_user, moto_server, upload
 from support.paths import REPO
+from support.racers import race
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, ModelConfig, StorageConfig
 from pipeline.storage.lease import LeaseHeld
@@ -155,31 +156,25 @@ def test_object_output_commits_reads_back_and_refuses_like_a_local_dir(s3):
 # ---------------------------------------------------------------- the lease on an object store
 
 _RACER = """
-import sys, time
 from pipeline.config import StorageConfig
 from pipeline.storage.lease import LeaseHeld, take_lease
 from pipeline.storage.uris import locate
-loc = locate(sys.argv[1], StorageConfig(endpoint=sys.argv[3]), "output.path")
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
+loc = locate(sys.argv[3], StorageConfig(endpoint=sys.argv[4]), "output.path")
 try:
     lease = take_lease(loc, "racer").acquire()
 except LeaseHeld:
     print("refused", flush=True)
     sys.exit(0)
 print("won", flush=True)
-time.sleep(3)
+hold()                                       # until every racer has answered
 print("won" if lease.verify() else "lost", flush=True)
 lease.release()
 """
 
 
-def test_of_jobs_racing_for_an_object_store_lease_exactly_one_wins(s3):
+def test_of_jobs_racing_for_an_object_store_lease_exactly_one_wins(s3, tmp_path):
     for attempt in range(3):
-        uri = f"s3://bkt/race{attempt}"
-        at = time.time() + 3
-        procs = [subprocess.Popen([sys.executable, "-c", _RACER, uri, str(at), s3["endpoint"]], cwd=REPO,
-                                  stdout=subprocess.PIPE, text=True) for _ in range(6)]
-        outcome = sorted(p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs)
+        outcome = race(_RACER, [f"s3://bkt/race{attempt}", s3["endpoint"]], 6, tmp_path / f"gate{attempt}", cwd=REPO)
         assert outcome == ["refused"] * 5 + ["won"]
 
 

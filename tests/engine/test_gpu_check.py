@@ -121,7 +121,7 @@ def test_steps_are_skipped_recorded_and_interrupted_within_the_budget(tmp_path, 
     start = time.monotonic()
     for step in plan:
         check.run(step)
-    assert time.monotonic() - start < 10                  # the timer cut the 30 s step at the budget
+    assert time.monotonic() - start < 20    # the timer cut the 30 s step at the 2 s budget (room for a loaded machine)
     steps = json.loads((tmp_path / "gpu-check.json").read_text())["steps"]
     assert steps["ok"] == {"estimate_s": 0, "status": "ok", "result": {"x": 1}, "seconds": steps["ok"]["seconds"]}
     assert steps["saw"]["result"]["ok"]["status"] == "ok"  # written after the step before it

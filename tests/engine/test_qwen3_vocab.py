@@ -152,7 +152,8 @@ def test_stop_string_across_multibyte_tokens(model, tok, stop, before, keep, ora
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, before)
     assert out.token_ids == gen[:keep]
     assert before.startswith(tok.decode(out.token_ids, skip_special_tokens=True))
-    assert outs[1].token_ids == gen and outs[1].text is None            # the row without stops runs on
+    assert outs[1].token_ids == gen                                     # the row without stops runs on
+    assert outs[1].text == tok.decode(gen[:-1], skip_special_tokens=True)   # to its EOS, not in the text
     if oracle:
         assert out.stats.num_accepted_draft_tokens > 0
 

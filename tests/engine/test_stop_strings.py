@@ -79,7 +79,8 @@ def test_stop_string_split_across_tokens(model, tok, free_run, speculative):
     outs = engine.generate([ids, ids], [SamplingParams(max_new_tokens=MAX_NEW, stop=(stop,)),
                                         SamplingParams(max_new_tokens=MAX_NEW)])
     check_cut(tok, outs[0], stop, gen, engine.block_size if speculative else 1)
-    assert outs[1].token_ids == gen and outs[1].text is None          # the row without stops is untouched
+    assert outs[1].token_ids == gen                                   # the row without stops is untouched
+    assert outs[1].text == tok.decode(gen, skip_special_tokens=True)  # and decoded whole
 
 
 def test_stop_string_inside_an_accepted_block(model, tok, free_run):

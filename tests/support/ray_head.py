@@ -38,6 +38,30 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def worker_port_range(width: int = 100) -> int:
+    """The first of ``width`` free ports for a head's workers, between Ray's default range (10002-19999,
+    which embedded clusters use) and the kernel's ephemeral range (from 32768). Blocks are spread by
+    pid and kept apart by pytest-xdist worker (gw0, gw1, ... take different blocks), and a block
+    with a port in use (another head, another test run) is passed over."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    blocks = (32768 - 20000) // width
+    start = (os.getpid() % (blocks // 4)) * 4 + worker % 4
+    for i in range(blocks):
+        base = 20000 + ((start + 4 * i) % blocks) * width
+        if all(_bindable(port) for port in range(base, base + width)):
+            return base
+    raise RuntimeError("no free block of worker ports in 20000-32767")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def base_env() -> dict[str, str]:
     """This process's environment for a Ray CLI call: no auth, no usage stats, the venv's tools first."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
@@ -65,7 +89,7 @@ def start_head() -> Iterator[dict[str, str]]:
     Yields its addresses: ``gcs``, ``dashboard`` (the job-submission URL) and ``metrics``."""
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     gcs, dash, agent, agent_grpc, env_agent, metrics, node_mgr, obj_mgr, client = free_ports(9)
-    worker_base = 20000 + (os.getpid() % 100) * 100  # below the ephemeral range, apart from Ray defaults
+    worker_base = worker_port_range()
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--num-cpus=4", "--num-gpus=2", "--object-store-memory=300000000", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",

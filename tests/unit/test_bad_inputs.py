@@ -287,6 +287,29 @@ def test_fault_spec_is_checked():
     assert FaultInjector.parse("oom_if_batch_gt:3,oom_on_id:a:b").oom_ids == {"a:b"}
     with pytest.raises(ValueError, match="cannot parse 'oom_if_batch_gt:x'"):
         FaultInjector.parse("oom_if_batch_gt:x")
+    for bad in ("hold_after:1", "hold_after:x:/tmp/go", "hold_after::/tmp/go"):
+        with pytest.raises(ValueError, match="cannot parse"):
+            FaultInjector.parse(bad)
+
+
+def test_hold_after_is_a_barrier_on_a_file(tmp_path):
+    """The first N batches pass; a later one waits for the file, however long, and goes on once it exists."""
+    from pipeline.actor.faults import FaultInjector
+
+    gate = tmp_path / "go"
+    faults = FaultInjector.parse(f"oom_on_id:x,hold_after:2:{gate}")
+    assert (faults.hold_after, faults.hold_file, faults.oom_ids) == (2, str(gate), {"x"})
+
+    async def scenario() -> None:
+        await asyncio.wait_for(faults.hold(0), 5)
+        await asyncio.wait_for(faults.hold(1), 5)
+        held = asyncio.ensure_future(faults.hold(2))
+        await asyncio.sleep(0.3)
+        assert not held.done()                  # no file: no time makes it pass
+        gate.touch()
+        await asyncio.wait_for(held, 30)
+
+    asyncio.run(scenario())
 
 
 def test_the_fault_variable_selects_the_faulty_stage(monkeypatch):

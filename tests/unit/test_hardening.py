@@ -183,17 +183,14 @@ def test_stale_leases_are_taken_over_and_live_ones_are_not(tmp_path, capsys, hol
 
 
 _RACER = """
-import sys, time
-from pathlib import Path
 from pipeline.storage.lease import LeaseHeld, take_lease
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))      # all start at the same moment
 try:
-    lease = take_lease(Path(sys.argv[1]), "racer").acquire()
+    lease = take_lease(Path(sys.argv[3]), "racer").acquire()
 except LeaseHeld:
     print("refused", flush=True)
     sys.exit(0)
 print("won", flush=True)
-time.sleep(3)
+hold()
 lease.release()
 """
 
@@ -201,19 +198,15 @@ lease.release()
 @pytest.mark.slow
 @pytest.mark.parametrize("start", ["empty", "stale"])
 def test_of_jobs_racing_for_a_lease_exactly_one_wins(tmp_path, start):
-    import subprocess
-    import sys
     import time
 
     from support.paths import TOKENIZER_DIR
+    from support.racers import race
 
     if start == "stale":
         import socket
         _plant(tmp_path / "out", host=socket.gethostname(), pid=_dead_pid(), heartbeat=time.time())
-    at = time.time() + 4
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path / "out"), str(at)], cwd=TOKENIZER_DIR.parents[1],
-                              stdout=subprocess.PIPE, text=True) for _ in range(6)]
-    outcome = sorted(p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs)
+    outcome = race(_RACER, [str(tmp_path / "out")], 6, tmp_path / "gate", cwd=TOKENIZER_DIR.parents[1])
     assert outcome == ["refused"] * 5 + ["won"]
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -168,15 +168,15 @@ def test_stage_stop_token_ids_and_engine_request_checks(tmp_path, tiny_orthrus_d
 
 # ---------------------------------------------------------------- detokenize + stop strings
 
-def test_detokenize_uses_the_engines_stop_text_and_decodes_the_rest():
+def test_detokenize_uses_the_engines_text_and_decodes_the_rest():
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     ids = tok("    return x\n\ndef g():", add_special_tokens=False)["input_ids"]
     batch = pa.table({S.TEXT_IDS: pa.array([ids, ids, None], pa.list_(pa.int32())),
-                      S.STOP_TEXT: ["cut here", None, None], "finish_reason": ["stop", "length", "error"],
+                      S.ENGINE_TEXT: ["cut here", None, None], "finish_reason": ["stop", "length", "error"],
                       "error": [None, None, "boom"]})
     rows = detokenize_batch(batch, tok).to_pylist()
     assert [r["generated_text"] for r in rows] == ["cut here", tok.decode(ids), None]
-    assert [r["error"] for r in rows] == [None, None, "boom"] and S.STOP_TEXT not in rows[0]
+    assert [r["error"] for r in rows] == [None, None, "boom"] and S.ENGINE_TEXT not in rows[0]
 
 
 # ---------------------------------------------------------------- output dir: atomic commits, resume keys
@@ -247,7 +247,7 @@ def test_acceptance_statistics():
     assert s["error_examples"] == [{"id": "c", "error": "x"}]
 
 
-def test_throughput_tracker_separates_startup_from_steady_rate():
+def test_throughput_tracker_separates_startup_from_steady_rate(monkeypatch):
     from pipeline import schema as S
     from pipeline.actor.records import BATCH_RECORD
     from pipeline.report.throughput import ThroughputTracker
@@ -263,15 +263,19 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
                         "engine_ms": engine_ms[i]}
         return {"slots": slots, "arrival": at(0), "end": at(1)}
 
+    # The tracker's clock, injected: the "sleeps" below advance it, so a loaded machine cannot
+    # stretch an interval past the bounds (a real sleep of 0.2 s can take far longer there).
+    clock = SimpleNamespace(now=1_000_000.0)
+    monkeypatch.setattr("pipeline.report.throughput.time", SimpleNamespace(time=lambda: clock.now))
     tracker = ThroughputTracker()
-    start = time.time()
+    start = clock.now
     assert tracker.startup_seconds(start) is None and tracker.steady_tokens_per_second() is None
-    time.sleep(0.2)
+    clock.now += 0.21
     # engine counters (iterations, busy slot-iterations) at arrival and at the end, 4 slots:
     # 10 iterations with all 4 slots busy between the two arrivals, then a drain at 1 slot busy;
     # and the engine's busy milliseconds at arrival and at the end (the two calls overlap)
     tracker.add(block("c1", 50, occ((0, 12), (0, 48), 4, (0, 900))))     # the first block's tokens are startup's
-    time.sleep(0.2)
+    clock.now += 0.21
     tracker.add(block("c2", 10, occ((10, 20), (40, 58), 4, (700, 1500))))
     assert tracker.startup_seconds(start) >= 0.2
     assert 20 / 0.5 < tracker.steady_tokens_per_second() <= 20 / 0.2
@@ -279,10 +283,10 @@ def test_throughput_tracker_separates_startup_from_steady_rate():
     assert tracker.slot_occupancy() == {"until_input_ran_out": 1.0, "whole_run": 58 / 80}
     # with the actors' batch start times: steady = all tokens from the first batch's start on
     timed = ThroughputTracker()
-    begin = time.time()
+    begin = clock.now
     timed.add(block("c1", 50, occ((0, 12), (0, 48), 4, (0, 900)), started=begin + 0.1))
     timed.add(block("c2", 10, occ((10, 20), (40, 58), 4, (700, 1500)), started=begin + 0.05))
-    time.sleep(0.3)
+    clock.now += 0.31
     timed.add(block("c3", 0, None, started=begin + 0.3))
     assert 0.04 < timed.startup_seconds(begin) < 0.06
     assert 120 / 0.5 < timed.steady_tokens_per_second() <= 120 / 0.25

@@ -1,6 +1,8 @@
 """The driver's quiet terminal (``pipeline/run/terminal.py``), in a child process whose stderr the
-test reads: Ray's notices (Python loggers and the listed C++ line) go to the log file; Ray's errors,
-unknown C++ lines and the job's own messages still reach the terminal, also after ``close``.
+test reads: Ray's notices (Python loggers and the listed C++ line), Ray Data's errors (the
+traceback of an exception the job reports itself) and the actors' printed lines go to the log
+file; Ray's other errors, the actors' stderr, unknown C++ lines and the job's own messages still
+reach the terminal, also after ``close``.
 
 The whole job's terminal on a real Ray head: ``tests/e2e/test_observability_ray.py``.
 """
@@ -17,17 +19,26 @@ NOTICE = (f"[2026-12-04 15:45:39,505 E 7426 7819] core_worker.cc:2465: Actor wit
 SCRIPT = """
 import logging, os, sys
 from pathlib import Path
+from ray._private.ray_logging import global_worker_stdstream_dispatcher as relay
 from pipeline.run.terminal import QuietTerminal
+# what ray.init(log_to_driver=True) installs: the relay of the actors' lines to this terminal
+relay.add_handler("ray_print_logs", lambda d: print(*d["lines"], file=sys.stderr if d["is_err"] else sys.stdout))
+actor = {"pid": 7, "actor_name": "MapWorker(MapBatches(GenerationStage))", "ip": "", "localhost": ""}
 t = QuietTerminal(Path(sys.argv[1])).start()
 logging.getLogger("ray").warning("ray python notice")
 logging.getLogger("ray.data").warning("Progress bars disabled (ray.data notice)")
+logging.getLogger("ray.data._internal.execution").error("ray.data operator traceback")
 logging.getLogger("ray").error("ray python error")
 t.divert_native()
+t.divert_workers()
+relay.emit({**actor, "is_err": False, "lines": ["[orthrus] actor: batch of 2 rows"]})
+relay.emit({**actor, "is_err": True, "lines": ["an actor's stderr line"]})
 os.write(2, (sys.argv[2] + "\\n").encode())          # what Ray's C++ core writes to descriptor 2
 os.write(2, b"an unknown native line\\n")
 print("the job's own message", file=sys.stderr)
 t.close()
 os.write(2, b"after close\\n")
+relay.emit({**actor, "is_err": False, "lines": ["an actor line after close"]})
 print(f"moved {t.moved}")
 """
 
@@ -38,11 +49,14 @@ def test_notices_go_to_the_log_file_errors_and_our_lines_to_the_terminal(tmp_pat
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err, logged = proc.stderr, log.read_text()
-    for line in ("ray python error", "an unknown native line", "the job's own message", "after close"):
+    for line in ("ray python error", "an unknown native line", "the job's own message", "after close",
+                 "an actor's stderr line"):
         assert line in err, err
-    for line in ("ray python notice", "ray.data notice", KNOWN_NOTICES[0]):
-        assert line not in err and line in logged, (err, logged)
-    assert "moved 1" in proc.stdout
+    for line in ("ray python notice", "ray.data notice", KNOWN_NOTICES[0], "ray.data operator traceback",
+                 "[orthrus] actor: batch of 2 rows"):
+        assert line not in err + proc.stdout and line in logged, (err, logged)
+    assert "(MapWorker(MapBatches(GenerationStage)) pid=7) [orthrus] actor: batch of 2 rows" in logged
+    assert "moved 1" in proc.stdout and "an actor line after close" in proc.stdout   # Ray's relay is back
 
 
 def test_a_stderr_that_is_not_descriptor_2_is_left_alone_and_restored(tmp_path, capsys):

@@ -354,7 +354,8 @@ class Scheduler:
         if hit is not None:
             return req.output(tokens, FinishReason.STOP, hit.stop, rel.stats, hit.text, lp)
         stop_reason = tokens[-1] if reason == FinishReason.STOP and tokens else None
-        return req.output(tokens, reason, stop_reason, rel.stats, logprobs=lp, error=error)
+        text = self.stops.completion(tokens, stop_reason is not None) if self.stops is not None else None
+        return req.output(tokens, reason, stop_reason, rel.stats, text, lp, error=error)
 
 
 def _cap_block(block: int, remaining: int) -> int:
