@@ -30,6 +30,9 @@ from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, Scheduled
 from orthrus.params import RowStats
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+
+
 class Scheduler:
     """Requests, slots and the host bookkeeping of one engine (``capacity``: a slot's cache positions).
 
@@ -123,7 +126,7 @@ class Scheduler:
         live, settled = self._live(slots)
         it = self._iteration(live) if len(live) else None
         prefill = self._prefill_work(0 if it is None else len(live) * it.width)
-        done = np.zeros(0, dtype=np.int64) if prefill is None else prefill.done
+        done = _NONE if prefill is None else prefill.done
         if it is None and len(done):
             # An idle engine: the rows this prefill completes take their first cycle in this same
             # step, the prefill's forward running first on its own (a batch that arrives at once
@@ -134,8 +137,9 @@ class Scheduler:
             settled = np.concatenate([settled, settle])
         else:
             settled = np.concatenate([settled, done])
-        read = np.concatenate([slots, done])
-        out = np.union1d(self.paused.slots(), self.prefilling.slots())   # hold a slot, sit the step out
+        read = np.concatenate([slots, done]) if len(done) else slots
+        # rows that hold a slot and sit the step out: preempted, or still prefilling
+        out = np.union1d(self.paused.slots(), self.prefilling.slots()) if len(self.prefilling) else self.paused.slots()
         return ScheduledStep(kill, adm, it, settled, self.table.logprobs.width(read), self.pool.take_entries(),
                              out, prefill)
 
@@ -151,6 +155,8 @@ class Scheduler:
     def _prefill_work(self, running_tokens: int) -> PrefillWork | None:
         """Chunks of prefilling rows in what the running rows leave of the token budget; the rows
         they complete leave the queue, new ones become prefix holders and get their first token."""
+        if not len(self.prefilling):
+            return None
         taken = self.prefilling.take(self.budget - running_tokens)
         for seat in taken.complete:
             self.planner.register(seat)
@@ -295,17 +301,10 @@ class Scheduler:
         """Fold a step's read into the host book → the requests that finished (rows the host ends
         here, by a stop string or a failed grammar, are marked dead by the next step)."""
         done, self._done = self._done, []
-        self.stats += EngineStats(forward_token_slots=out.prefill_slots + out.iteration_slots,
-                                  prefill_token_slots=out.prefill_slots)
+        self.stats += self._step_stats(step, out)          # one record per step: the counters add up
         if out.packed is None:
             return done
-        self.stats += EngineStats(read_steps=1)
         it, rows = step.iteration, step.rows
-        if it is not None:
-            # a slot whose prompt chunk rode in the iteration's forward worked in it too
-            worked = set(it.slots.tolist()) | ({c.slot for g in step.prefill.groups for c in g} if step.prefill else set())
-            self.stats += EngineStats(iterations=1, busy_slot_iterations=len(worked),
-                                      page_iterations=self.pool.in_use)
         rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
         if self.grammars.any(rows):
             self.grammars.advance(rows, self.table.generated)
@@ -323,6 +322,19 @@ class Scheduler:
         return done + [self._output(s, FinishReason.ERROR, None, failed[s]) if s in failed else
                        self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
                        for s in sorted(set(ended) | set(hits) | set(failed))]
+
+    def _step_stats(self, step: ScheduledStep, out: StepOutput) -> EngineStats:
+        """What one step adds to the engine's counters (a slot whose prompt chunk rode in the
+        iteration's forward worked in it too)."""
+        it, slots = step.iteration, out.prefill_slots + out.iteration_slots
+        if it is None:
+            return EngineStats(forward_token_slots=slots, prefill_token_slots=out.prefill_slots,
+                               read_steps=int(out.packed is not None))
+        worked = len(it.slots)
+        if step.prefill is not None and step.prefill.groups:
+            worked = len(set(it.slots.tolist()) | {c.slot for g in step.prefill.groups for c in g})
+        return EngineStats(iterations=1, busy_slot_iterations=worked, page_iterations=self.pool.in_use,
+                           forward_token_slots=slots, prefill_token_slots=out.prefill_slots, read_steps=1)
 
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
