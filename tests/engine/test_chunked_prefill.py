@@ -123,6 +123,29 @@ def test_rows_completing_together_out_of_seat_order_are_exact(model, budget):
     assert engine.stats.prefix_cache_hit_tokens >= len(base[0]) + 16
 
 
+def test_aborting_a_row_others_share_a_prefix_with_mid_prefill(model):
+    """An identical prompt and a longer one share the pages of a row still prefilling (8 tokens a
+    step); that row is aborted halfway: they compute their prompts on their own and still equal
+    transformers' greedy decoding."""
+    prompt = _prompts(1, seed=9, low=90, high=91)[0]
+    engine = OrthrusEngine(model, max_batch_size=4, max_seq_len=256, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    first = engine.add_request(prompt, params)
+    same = engine.add_request(prompt, params)
+    longer = engine.add_request(prompt[:60] + [3, 4, 5], params)
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.prefilling.followers(engine.scheduler.requests[first].slot)
+    engine.abort_request(first)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    hf = hf_twin(model)
+    assert done[first].finish_reason == "abort"
+    assert done[same].token_ids == hf_greedy(hf, prompt, 10, engine.eos_token_ids)
+    assert done[longer].token_ids == hf_greedy(hf, prompt[:60] + [3, 4, 5], 10, engine.eos_token_ids)
+
+
 def test_the_budget_is_checked():
     with pytest.raises(ValueError, match="max_num_batched_tokens must be an int >= 1"):
         OrthrusEngine(tiny_model(), max_num_batched_tokens=0)

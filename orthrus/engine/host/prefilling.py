@@ -69,6 +69,13 @@ class Prefilling:
         self.mask[slot] = False
         return row.seat
 
+    def restart(self, slot: int) -> int:
+        """``slot`` computes its tokens from position 0, on its own (what it shared is gone) → the
+        positions it shared before, now computed too."""
+        row = self.rows[slot]
+        shared, row.done, row.after, row.holder, row.late = row.done, 0, -1, -1, None
+        return shared
+
     def slots(self) -> np.ndarray:
         """The prefilling slots, ascending."""
         return np.flatnonzero(self.mask)
@@ -83,6 +90,9 @@ class Prefilling:
         taken = Taken([], [], [])
         for slot, row in list(self.rows.items()):      # bounded by the rows
             if slot not in self.rows or row.after >= 0:   # completed with its row, or waiting for it
+                # (a row it waits for leaves only by completing, which frees it, or by ending or
+                # preemption, which restarts or requeues it: a wait on nothing would never end)
+                assert slot not in self.rows or row.after in self.rows, "a row waits for one that left"
                 continue
             left = len(row.seat.tokens) - row.done
             n = min(left, budget)

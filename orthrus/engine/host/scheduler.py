@@ -262,6 +262,17 @@ class Scheduler:
                 self.pending.remove(follower)
             self.stats += EngineStats(preemptions=1)
 
+    def _restart_followers(self, slot: int) -> None:
+        """``slot`` ended (aborted, a failed grammar) before its prompt's K/V was complete: the rows
+        that shared its pages compute their whole prompts in pages of their own instead (the pages
+        they give back cover what they take: those of ``slot`` are back already). Bounded by rows."""
+        for follower in self.prefilling.followers(slot):
+            pages = len(self.pool.slot_pages[follower])
+            self.pool.release(follower)
+            self.pool.grow(follower, pages)
+            self.stats += EngineStats(prefill_tokens=self.prefilling.restart(follower))
+            self._restart_followers(follower)
+
     def _admit(self) -> Admission | None:
         """Re-seat preempted rows (oldest first), then seat waiting requests in free slots (FIFO),
         as far as the page pool allows, sharing every prompt prefix a page or a running slot holds
@@ -356,10 +367,10 @@ class Scheduler:
         del self.requests[req.request_id]
         self.grammars.release(slot)
         # Its pages go back (whole prompt pages stay cached for later prompts sharing them).
-        self._requeue_followers(slot)
         self.pool.release(slot)
         self.paused.pop(slot)
         self.prefilling.remove(slot)
+        self._restart_followers(slot)
         for index in (self.prefix_index, self.pending):
             if index is not None:
                 index.remove(slot)
