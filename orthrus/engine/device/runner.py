@@ -125,9 +125,9 @@ class ModelRunner:
             self._prefill(work, chunk, idx, alone=True)
         parts = []
         if plan is not None:
-            riding = None if work is None or alone else chunk
-            parts.append(self._iterate(plan, it, rows, idx, riding is not None or not graphed, riding))
-            if work is not None and not alone:
+            rides = work is not None and not alone
+            parts.append(self._iterate(plan, it, rows, idx, rides or not graphed, chunk if rides else None))
+            if rides:
                 self._prefill(work, chunk, idx, alone=False)
         slots = (0 if work is None else work.tokens, 0 if plan is None else plan.rows * (2 * plan.block or 1))
         if not step.reads:

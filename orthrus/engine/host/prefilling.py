@@ -6,8 +6,8 @@ running rows' blocks first, then chunks of these rows, oldest seat first, up to 
 budget (``OrthrusEngine(max_num_batched_tokens=...)``, vLLM's scheduling). A long prompt is so
 prefilled over several steps while the other rows keep decoding, and no row waits behind a
 separate prefill forward. The oldest row always gets at least a floor of tokens, so that running
-rows that fill the budget cannot starve it. Host only (numpy); per-row Python runs over the rows
-that get a chunk this step (bounded by the budget).
+rows that fill the budget cannot starve it. Host only (numpy); per-row Python runs over the
+prefilling rows (bounded by the slots), and only while some row is prefilling.
 """
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ class Scheduler:
         self.planner = PromptPlanner(self.pool, self.page_index, self.prefix_index, self.capacity, block_size)
         self.paused = PausedRows(num_slots)          # preempted rows, what re-seats them (oldest first)
         # Seated rows still computing their K/V, in chunks within each step's token budget, and (with
-        # the prefix cache) the new ones among them by prompt: a seat sharing their prefix waits.
+        # the prefix cache) the new ones among them by prompt: a seat sharing their prefix shares
+        # their pages and computes after them (admission.py).
         self.budget = max_num_batched_tokens
         self.prefilling = Prefilling(num_slots)
         self.pending = PrefixIndex(page_size) if prefix_cache else None
