@@ -13,7 +13,7 @@ random stream, so its first token is still its own sample. The result is an
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,11 +22,6 @@ from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex
 from orthrus.engine.host.requests import Request
 from orthrus.engine.step import PromptChunk, PromptCopy, SlotParams
-
-
-def admit(waiting: deque[Request], free: np.ndarray) -> list[Request]:
-    """Pop as many waiting requests as there are free slots (FIFO); they take ``free`` in order."""
-    return [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
 
 
 def slot_params(reqs: list[Request], eos_token_ids: tuple[int, ...]) -> SlotParams:
