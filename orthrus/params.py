@@ -149,6 +149,9 @@ class RowStats:
     num_reasoning_cycles: int = 0
     num_reasoning_ar_steps: int = 0
     num_reasoning_accepted_draft_tokens: int = 0
+    # Drafts the verifier computed (<= num_draft_tokens): a cycle verifies only those its drafter
+    # was confident enough in when its verify budget is adaptive (OrthrusEngine(adaptive_verify)).
+    num_verified_draft_tokens: int = 0
 
     @property
     def tokens_per_cycle(self) -> float:

@@ -171,34 +171,41 @@ class Verdict(NamedTuple):
 
 
 def accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-           u_residual: torch.Tensor) -> Verdict:
+           u_residual: torch.Tensor, width: torch.Tensor | None = None) -> Verdict:
     """Speculative acceptance for a whole batch.
 
     p ``[b, K, V]``: target for positions n+1 … n+K.  q ``[b, K-1, V]``: proposal for n+1 … n+K-1.
-    drafts ``[b, K-1]``, u_accept ``[b, K-1]``, u_residual ``[b]``.
+    drafts ``[b, K-1]``, u_accept ``[b, K-1]``, u_residual ``[b]``; ``width [b]``: the drafts each
+    row verified (a prefix; None: all K-1), its target valid at positions 0 … width.
     The next anchor is drawn from ``normalise(max(p_L - q_L, 0))`` after a rejection, or from
-    ``p_{K-1}`` (bonus) when all pass.
+    ``p_width`` (bonus) when every verified draft passes: standard speculative sampling on the
+    shorter block, exact as long as the width does not depend on the drafts drawn.
     """
     b, k, v = p.shape
     p_d = p[:, : k - 1].gather(-1, drafts[..., None]).squeeze(-1)          # p_{j-1}(d_j) [b, K-1]
     q_d = q.gather(-1, drafts[..., None]).squeeze(-1)                       # q_{j-1}(d_j) [b, K-1]
     ok = u_accept.to(p.dtype) * q_d < p_d                                   # u < p/q, no division
+    if width is not None:
+        ok &= torch.arange(k - 1, device=p.device)[None, :] < width[:, None]   # unverified: not accepted
     n_acc = ok.long().cumprod(-1).sum(-1)                                   # L [b]
     p_l = p.gather(1, n_acc[:, None, None].expand(b, 1, v)).squeeze(1)      # [b, V]
     q_idx = n_acc.clamp(max=k - 2)[:, None, None].expand(b, 1, v)
-    q_l = q.gather(1, q_idx).squeeze(1) * (n_acc < k - 1)[:, None].to(q.dtype)
+    rejected = n_acc < (k - 1 if width is None else width)                  # else the bonus, from p_L alone
+    q_l = q.gather(1, q_idx).squeeze(1) * rejected[:, None].to(q.dtype)
     residual = (p_l - q_l).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_l)
     nxt = sample(residual[:, None], u_residual[:, None]).squeeze(1)
     return Verdict(drafts, n_acc, nxt)
 
 
-def greedy_accept(p_logits: torch.Tensor, q_logits: torch.Tensor) -> Verdict:
+def greedy_accept(p_logits: torch.Tensor, q_logits: torch.Tensor, width: torch.Tensor | None = None) -> Verdict:
     """All-greedy fast path: the same result as ``accept`` on one-hot distributions, from argmaxes
-    only (the next anchor is the AR argmax after the accepted prefix)."""
+    only (the next anchor is the AR argmax after the accepted prefix; ``width`` as in ``accept``)."""
     drafts = q_logits.argmax(-1)                                            # [b, K-1]
     target = p_logits.argmax(-1)                                            # [b, K]
     n_acc = (drafts == target[:, :-1]).long().cumprod(-1).sum(-1)          # [b]
+    if width is not None:
+        n_acc = torch.minimum(n_acc, width)
     return Verdict(drafts, n_acc, target.gather(1, n_acc[:, None]).squeeze(1))
 
 

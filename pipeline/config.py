@@ -218,6 +218,13 @@ class EngineKwargs(_Section):
         "several steps while the other rows keep decoding. Smaller: running rows wait less behind long "
         "prompts; larger: prompts start sooner. None: 8192 on GPU, 2048 on CPU."))
 
+    adaptive_verify: bool = Field(True, description=(
+        "A speculative cycle verifies only as many of its drafts as pay, where the drafter is most "
+        "confident, the number chosen per batch occupancy from measured step costs; the output stays "
+        "exactly the AR model's. It adapts where every row of a cycle is greedy, or with speculative: "
+        "auto (a sampled row's draws depend on it, so seeded sampled rows under fixed speculation "
+        "verify every draft). False: every draft is verified."))
+
     @model_validator(mode="after")
     def _flash_needs_half_precision(self) -> "EngineKwargs":
         if self.attention == "flash" and self.dtype == "float32":

@@ -26,6 +26,7 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("num_forward_passes", pa.int64()),
     pa.field("num_draft_tokens", pa.int64()),
     pa.field("num_accepted_draft_tokens", pa.int64()),
+    pa.field("num_verified_draft_tokens", pa.int64()),    # of the drafts, those the verifier computed
     pa.field("tokens_per_cycle", pa.float64()),
     pa.field("accept_length_histogram", pa.list_(pa.int64())),
     pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion

@@ -25,7 +25,8 @@ RESULTS = "bench-results"
 # workload → its module (imported only when it runs: several need the job's stack)
 WORKLOADS = {"speed": "speed", "logprobs": "logprobs", "vocab": "vocab", "prefix": "prefix", "ab": "ab",
              "structured": "structured", "short": "short", "scale": "scale", "storage": "storage",
-             "reasoning": "reasoning", "paged": "paged", "prefix_grouping": "prefix_grouping", "flat": "flat"}
+             "reasoning": "reasoning", "paged": "paged", "prefix_grouping": "prefix_grouping", "flat": "flat",
+             "verify": "verify"}
 DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only WORKLOAD: the same).
 
     speed       (default) Orthrus vs our AR mode vs transformers generate, per batch size; on CPU
@@ -38,6 +39,7 @@ DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only W
     paged       the paged KV cache: rows in flight at a fixed pool vs the static layout's
     prefix_grouping  rows ordered by prompt tokens (per window, global) vs shuffled: prefill vs the ideal
     flat        the flat step: prefill positions per prompt token and decoding rows' waits vs a git ref
+    verify      a verify budget per cycle: verified ÷ accepted drafts, tokens per cycle and tok/s vs all drafts
 
 Results: bench-results/<workload>.json (--out to write elsewhere); speed also bench-results/speed.png.
 python -m jobs.bench WORKLOAD --help lists that workload's own options.

@@ -78,6 +78,13 @@ class OrthrusEngine:
     steps while the other rows keep decoding (``host/prefilling.py``). None: 8,192 on a GPU, 2,048
     on a CPU.
 
+    ``adaptive_verify``: a cycle verifies only as many of its drafts as pay, spent where the
+    drafter is most confident (``device/verify_budget.py``), the number chosen per occupancy from
+    measured step costs (``host/policy.py``'s ``VerifyPolicy``); exact either way. It adapts where
+    every row of the cycle is greedy, or under ``"auto"`` (a sampled row's draws depend on it, as
+    on the block size, so a seeded sampled row in fixed speculation verifies every draft). False:
+    every draft, always.
+
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
     """
 
@@ -87,7 +94,7 @@ class OrthrusEngine:
                  static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
                  key_bucket: int | None = None, prefix_cache: bool = True,
                  reasoning: ReasoningTokens | bool = True, kv_cache_tokens: int | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, adaptive_verify: bool = True) -> None:
         cfg = model.config
         _check_mode(speculative)
         self.block_size = int(block_size if block_size is not None else model.block_size)
@@ -120,7 +127,8 @@ class OrthrusEngine:
         cache = self.runner.cache
         self.scheduler = Scheduler(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size,
                                    self.eos_token_ids, grammars, StopStringScanner(tokenizer) if tokenizer else None,
-                                   prefix_cache, speculative, cache.num_pages, cache.page_size, budget)
+                                   prefix_cache, speculative, cache.num_pages, cache.page_size, budget,
+                                   bool(adaptive_verify))
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""

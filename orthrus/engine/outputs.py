@@ -107,6 +107,9 @@ class EngineStats:
     # Steps that read their device work back (ONE read each): the iterations, and steps that only
     # prefilled and sampled first tokens (a step of prompt chunks alone reads nothing).
     read_steps: int = 0
+    # Drafts the cycles verified, and of those accepted (the verify forward's waste is the rest).
+    verified_draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def __sub__(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))

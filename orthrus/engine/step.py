@@ -138,7 +138,9 @@ class Iteration:
 
     ``kv_len``: host-known bound on the keys a row can see. ``first_masks [n, W]`` and ``grammar``:
     only when some row is constrained. ``arm``: the block size the speculation policy measures with
-    this iteration's time (None: a block the policy did not choose as is)."""
+    this iteration's time (None: a block the policy did not choose as is). ``verify``: the drafts a
+    cycle verifies in all, where its drafter is most confident (None: every draft); ``verify_arm``:
+    the per-row width the verify policy measures with this iteration (None: not its choice)."""
 
     block: int
     slots: np.ndarray
@@ -147,6 +149,8 @@ class Iteration:
     first_masks: np.ndarray | None = None
     grammar: DraftMasks | None = None
     arm: int | None = None
+    verify: int | None = None
+    verify_arm: int | None = None
 
     @property
     def width(self) -> int:

@@ -16,7 +16,7 @@ _COLUMNS = ("generated_tokens", "num_generated_tokens", "finish_reason", "num_cy
             "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
             "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
             "time_in_engine_s", "num_reasoning_tokens", "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens",
-            S.TEXT_IDS, S.ENGINE_TEXT)
+            "num_verified_draft_tokens", S.TEXT_IDS, S.ENGINE_TEXT)
 _ERROR_ROW = (None,) * len(_COLUMNS)        # finish_reason and error: ``errors.finish_columns``
 
 
@@ -35,7 +35,8 @@ def _row(r: RequestOutput, p: SamplingParams, eos_ids: frozenset[int]) -> tuple:
     return (ids, len(ids), r.finish_reason, s.num_cycles, s.num_forward_passes, s.num_draft_tokens,
             s.num_accepted_draft_tokens, float(s.tokens_per_cycle), s.accept_length_histogram,
             s.num_tokens_after_stop, r.token_logprobs, _top(r), r.cumulative_logprob, r.queue_seconds,
-            r.engine_seconds, r.num_reasoning_tokens, *_thinking(r), _text_ids(r, p, eos_ids), _text(r))
+            r.engine_seconds, r.num_reasoning_tokens, *_thinking(r), s.num_verified_draft_tokens,
+            _text_ids(r, p, eos_ids), _text(r))
 
 
 def _text(r: RequestOutput) -> str | None:

@@ -103,7 +103,8 @@ class GenerationStage:
         return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
                              attention=e.attention, static_shapes=None if e.cuda_graphs else False,
                              speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache,
-                             kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=e.max_num_batched_tokens)
+                             kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=e.max_num_batched_tokens,
+                             adaptive_verify=e.adaptive_verify)
 
     async def _before_batch(self) -> None:
         """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""
@@ -271,7 +272,7 @@ _ASSEMBLED = ("generated_tokens", "num_generated_tokens", "finish_reason", ERROR
               "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
               "time_in_engine_s", "batch_wall_seconds", "audit_match", "audit_first_divergence", "model",
               "num_reasoning_tokens", "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens",
-              S.TEXT_IDS, S.ENGINE_TEXT)
+              "num_verified_draft_tokens", S.TEXT_IDS, S.ENGINE_TEXT)
 
 
 def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:

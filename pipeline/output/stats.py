@@ -24,7 +24,8 @@ STATS_KEY = b"orthrus.stats"
 EXAMPLES = 5
 _GAMMA = 1.02            # sketch bucket ratio: quantiles within ~1%
 _SUMS = ("num_prompt_tokens", "num_completion_tokens", "num_tokens_after_stop", "num_cycles",
-         "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "num_reasoning_tokens",
+         "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "num_verified_draft_tokens",
+         "num_reasoning_tokens",
          "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens")
 TIME_COLUMNS = ("time_waiting_s", "time_in_engine_s")
 # The footers' engine aggregate (kept under "prefill"): its key -> the engine counter (``EngineStats``)

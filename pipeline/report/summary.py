@@ -95,6 +95,10 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
             "rows_ended_at_prefill": ok - spec["spec_rows"],
             "cycles": sums["num_cycles"], "forward_passes": sums["num_forward_passes"],
             "draft_tokens": drafts, "accepted_draft_tokens": accepted,
+            # drafts the verifier computed (a cycle's verify budget skips the ones unlikely to pass)
+            # and how many it computed per accepted one: the verify pass's waste
+            "verified_draft_tokens": sums.get("num_verified_draft_tokens", 0),
+            "verified_per_accepted": sums.get("num_verified_draft_tokens", 0) / accepted if accepted else None,
             "draft_acceptance_rate": accepted / drafts if drafts else None,
             "tokens_per_cycle": {
                 "mean_per_row": spec["tpc_sum"] / spec["spec_rows"] if spec["spec_rows"] else None,
@@ -255,7 +259,9 @@ def render_table(summary: dict, where: str) -> str:
     ]
     if spec["draft_tokens"]:     # none when every row ended at its prefill (or decoded in AR mode)
         lines += [f"  drafts         {spec['accepted_draft_tokens']:,}/{spec['draft_tokens']:,} accepted "
-                  f"({_fmt(spec['draft_acceptance_rate'] and 100 * spec['draft_acceptance_rate'], '.1f')}%)",
+                  f"({_fmt(spec['draft_acceptance_rate'] and 100 * spec['draft_acceptance_rate'], '.1f')}%), "
+                  f"{spec.get('verified_draft_tokens', 0):,} verified "
+                  f"({_fmt(spec.get('verified_per_accepted'), '.2f')} per accepted)",
                   "  by position    " + " ".join(f"{j}:{r:.2f}" for j, r in
                                                 enumerate(spec["acceptance_rate_by_position"], start=1))]
     audit = summary.get("audit")

@@ -52,7 +52,8 @@ def test_replay_proposer_hits_every_accept_length_and_stays_exact():
     longer = ref_engine.generate(prompts, SamplingParams(max_new_tokens=40 + K), speculative=False)
     sequences = [p + r.token_ids for p, r in zip(prompts, longer)]
     proposer = ReplayProposer(sequences, model.config.vocab_size)
-    engine = proposer.engine = OrthrusEngine(model, max_batch_size=2, proposer=proposer)
+    # every draft verified: the histogram must reach L = K-1 (a verify budget would cut blocks short)
+    engine = proposer.engine = OrthrusEngine(model, max_batch_size=2, proposer=proposer, adaptive_verify=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, request_id=str(i))
     done = {}

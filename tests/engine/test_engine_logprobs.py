@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from orthrus.engine.packed import TRAILER
 from orthrus.engine.step import Iteration, SamplingPaths
 from orthrus.testing.host_syncs import count_host_reads
 from support.tiny_models import hf_twin, tiny_model
@@ -232,7 +233,7 @@ def test_iteration_with_logprobs_traces_as_one_graph(model, spec):
     with torch.inference_mode():
         out = traced(torch.arange(4))
     w = engine.block_size if spec else 1
-    assert out.shape == (4, w + 5 + (1 + w) * (1 + 2 * 5))
+    assert out.shape == (4, w + TRAILER + (1 + w) * (1 + 2 * 5))
 
 
 @pytest.mark.parametrize("value", [-1, 21, 1.5, "3", True])

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from orthrus.engine.packed import TRAILER
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.engine.device.graphs import bucket, key_bound, pad_slots
 from orthrus.engine.step import Iteration, SamplingPaths
@@ -38,9 +39,12 @@ def model():
     return tiny_model(seed=3, diff_noise=0.3, scale=4.0)
 
 
-def _run(model, params, speculative, static: bool, flash: bool, slots: int = 5):
+def _run(model, params, speculative, static: bool, flash: bool, slots: int = 5, adaptive_verify: bool = False):
+    # adaptive_verify off by default here: its budget follows wall time, and these runs compare the
+    # acceptance bookkeeping too (tokens are the same either way: test_static_shapes_change_no_token)
     attention = FlashKVCache(reference_flash_attn_with_kvcache) if flash else "sdpa"
-    engine = OrthrusEngine(model, max_batch_size=slots, static_shapes=static, attention=attention)
+    engine = OrthrusEngine(model, max_batch_size=slots, static_shapes=static, attention=attention,
+                           adaptive_verify=adaptive_verify)
     return [(r.token_ids, r.finish_reason, r.stats.accept_length_histogram, r.stats.num_ar_steps)
             for r in engine.generate(PROMPTS, params, speculative=speculative)]
 
@@ -79,14 +83,19 @@ def test_static_sdpa_iterations_use_few_key_bounds():
     assert [r.token_ids for r in out] == [r.token_ids for r in eager]
     assert all(need <= bound for need, bound in seen)
     assert [len(r.token_ids) for r in out] == [24, 24]
-    assert {bound for _, bound in seen} == {512, 1024}
+    # 512 and 1024 as the long row grows (256 too if the short row runs on alone after it ends)
+    assert {512, 1024} <= {bound for _, bound in seen} <= {256, 512, 1024}
 
 
 @pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_static_shapes_change_no_token(model, params, speculative):
-    assert _run(model, params, speculative, static=True, flash=False) == _run(model, params, speculative,
-                                                                              static=False, flash=False)
+    eager = _run(model, params, speculative, static=False, flash=False)
+    assert _run(model, params, speculative, static=True, flash=False) == eager
+    # with a verify budget the tokens stay the same (greedy rows: it adapts; seeded sampled rows in
+    # fixed speculation: it stays off, their draws depend on it)
+    adaptive = _run(model, params, speculative, static=True, flash=False, adaptive_verify=True)
+    assert [a[:2] for a in adaptive] == [e[:2] for e in eager]
 
 
 def test_static_shapes_under_auto_stay_exact(model):
@@ -125,7 +134,7 @@ def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
                            dynamic=False)
     with torch.inference_mode():
         out = traced(torch.arange(4))
-    assert out.shape == (4, (engine.block_size if spec else 1) + 5)
+    assert out.shape == (4, (engine.block_size if spec else 1) + TRAILER)
 
 
 class HostDataSpy(TorchDispatchMode):

@@ -58,7 +58,8 @@ class FixedCostPolicy(SpeculationPolicy):
 
 
 def _run(model, prompts, params, **kw):
-    engine = OrthrusEngine(model, **kw)
+    # every draft verified: under "auto" a sampled row's verify budget follows measured times too
+    engine = OrthrusEngine(model, adaptive_verify=False, **kw)
     if kw.get("speculative") == "auto":
         engine.scheduler.policy = FixedCostPolicy(halving_block_sizes(engine.block_size))
     return engine, [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]

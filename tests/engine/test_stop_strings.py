@@ -87,13 +87,14 @@ def test_stop_string_inside_an_accepted_block(model, tok, free_run):
     ids, gen = free_run
     k = model.block_size
     oracle = OracleProposer(ids + gen, model.config.vocab_size)
-    engine = OrthrusEngine(model, max_batch_size=1, proposer=oracle, tokenizer=tok)
+    # every draft verified (adaptive_verify=False): the blocks this test counts are whole K blocks
+    engine = OrthrusEngine(model, max_batch_size=1, proposer=oracle, tokenizer=tok, adaptive_verify=False)
     full = engine.generate([ids], SamplingParams(max_new_tokens=MAX_NEW))[0]
     # every draft accepted (the last cycle's block is capped by the tokens left, so count drafts)
     assert full.token_ids == gen and full.stats.num_accepted_draft_tokens == full.stats.num_draft_tokens
     # token 0 comes from the prefill, then blocks of K: a stop ending mid-block leaves tokens after it
     stop, _ = split_stop(tok, gen, start=k + 1, ok=lambda end: (end - 1) % k != 0)   # not a block's last token
-    out = OrthrusEngine(model, max_batch_size=1, proposer=oracle, tokenizer=tok).generate(
+    out = OrthrusEngine(model, max_batch_size=1, proposer=oracle, tokenizer=tok, adaptive_verify=False).generate(
         [ids], SamplingParams(max_new_tokens=MAX_NEW, stop=(stop,)))[0]
     end = check_cut(tok, out, stop, gen, k)
     assert out.stats.num_cycles < full.stats.num_cycles

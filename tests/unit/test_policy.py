@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from orthrus.engine.host.policy import AR, SpeculationPolicy, halving_block_sizes
+from orthrus.engine.host.policy import AR, VERIFY_EIGHTHS, SpeculationPolicy, VerifyPolicy, halving_block_sizes
 
 ACCEPT = [0.83, 0.42, 0.37, 0.21, 0.35, 0.6, 1.0]          # the bundled model's per-position rates
 
@@ -99,3 +99,36 @@ def test_falling_acceptance_moves_auto_to_ar():
         arm = policy.choose(1)
         policy.observe(arm, 1, seconds(arm, 1), 1, 1)
     assert policy.best(1) == AR
+
+
+# A cycle's verify budget (VerifyPolicy): a K = 8 cycle drafts [b, 8] and verifies the b anchors and
+# V of the b * 7 drafts; rows verify V / b drafts each, the most likely first (fractional: interpolated).
+def verify_seconds(eighths: int, b: int, knee: int = 32) -> float:
+    forward = lambda n: max(1.0, n / knee)                  # noqa: E731 - flat, then linear
+    v = VerifyPolicy.budget(eighths, b, 8)
+    return 0.2 + forward(8 * b) + forward(b + (7 * b if v is None else v))
+
+
+def verify_tokens(eighths: int) -> float:
+    width, expected, alive = 7 * eighths / 8, 1.0, 1.0
+    for j, rate in enumerate(ACCEPT):
+        alive *= rate
+        expected += alive * min(1.0, max(0.0, width - j))
+    return expected
+
+
+@pytest.mark.parametrize("b", [1, 16, 256])
+def test_the_verify_budget_follows_the_cost_of_verifying(b):
+    """Memory bound (b = 1) a verify position costs nothing: every draft is verified; compute bound
+    (b = 256) the policy verifies a fraction, and it runs within 5% of the best fixed budget."""
+    rates = {e: b * verify_tokens(e) / verify_seconds(e, b) for e in VERIFY_EIGHTHS}
+    best = max(rates, key=rates.get)
+    policy, time, tokens = VerifyPolicy(), 0.0, 0.0
+    for _ in range(4000):
+        arm = policy.choose(b)
+        t, got = verify_seconds(arm, b), b * verify_tokens(arm)
+        policy.observe(arm, b, t, round(got), b)
+        time, tokens = time + t, tokens + got
+    assert max(policy.chosen, key=policy.chosen.get) == best
+    assert tokens / time >= 0.95 * rates[best]
+    assert (best == 8) == (b == 1)

@@ -15,6 +15,7 @@ from orthrus.engine.device.masks import IterationMasks, constrain
 from orthrus.engine.device.plan import DeviceParts, IterationPlan
 from orthrus.engine.device.prefill import ChunkForward, ar_forward
 from orthrus.engine.device.slot_state import SlotState
+from orthrus.engine.device.verify_budget import VerifyLayout, confidences, widths
 from orthrus.engine.outputs import FinishReason
 from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
@@ -26,10 +27,10 @@ RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(F
 
 
 def pack(emitted: torch.Tensor, n_emit: torch.Tensor, n_acc: torch.Tensor, reason: torch.Tensor,
-         alive: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """``emitted [b, W]`` and five ``[b]`` columns, in ``packed.COLUMNS`` order (a test holds the
-    parameter names to it) → ``[b, W + 5]`` int64."""
-    return torch.cat([emitted, torch.stack([n_emit, n_acc, reason, alive.long(), first], 1)], 1)
+         alive: torch.Tensor, first: torch.Tensor, n_ver: torch.Tensor) -> torch.Tensor:
+    """``emitted [b, W]`` and six ``[b]`` columns, in ``packed.COLUMNS`` order (a test holds the
+    parameter names to it) → ``[b, W + 6]`` int64."""
+    return torch.cat([emitted, torch.stack([n_emit, n_acc, reason, alive.long(), first, n_ver], 1)], 1)
 
 
 def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: torch.Tensor,
@@ -122,9 +123,10 @@ def _write_offsets(cache: PagedKVCache, st: SlotState, slots: torch.Tensor) -> t
 
 
 def _commit(dev: DeviceParts, slots: torch.Tensor, emitted: torch.Tensor, n_acc: torch.Tensor, nxt: torch.Tensor,
-            lp_block: torch.Tensor | None, paths: SamplingPaths) -> torch.Tensor:
+            lp_block: torch.Tensor | None, paths: SamplingPaths, n_ver: torch.Tensor) -> torch.Tensor:
     """Apply one cycle's outcome to live rows (crop = length update) and pack it for the host, with
-    the iteration's logprob block (``logprobs.block``, computed before the commit) if there is one."""
+    the drafts each row verified (``n_ver [b]``) and the iteration's logprob block
+    (``logprobs.block``, computed before the commit) if there is one."""
     st, cache = dev.state, dev.cache
     alive = st.alive[slots]
     n_emit, reason = stop_cut(emitted, n_acc, st, slots, dev.max_seq_len)
@@ -141,8 +143,9 @@ def _commit(dev: DeviceParts, slots: torch.Tensor, emitted: torch.Tensor, n_acc:
     cache.drop_dead(slots, st.alive[slots])
     first = st.first[slots]
     st.first.index_fill_(0, slots, -1)
-    packed = pack(emitted, n_emit=n_emit, n_acc=n_acc * alive, reason=new_reason, alive=alive, first=first)
-    return packed if lp_block is None else torch.cat([packed, lp_block], 1)   # [b, W + 5 (+ block)]
+    packed = pack(emitted, n_emit=n_emit, n_acc=n_acc * alive, reason=new_reason, alive=alive, first=first,
+                  n_ver=n_ver * alive)
+    return packed if lp_block is None else torch.cat([packed, lp_block], 1)   # [b, W + 6 (+ block)]
 
 
 def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
@@ -169,31 +172,51 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
     if masks is not None:
         q_logits = torch.cat([constrain(q_logits[:, :1], masks.first[:, None]), q_logits[:, 1:]], 1)
     verify_view = BlockBatch(view_slots, pos, plan.kv_len)
+    layout = None if plan.verify is None else _verify_layout(dev, plan, slots, q_logits)
+    width = None if layout is None else layout.width                         # [b] drafts verified
     if plan.paths.all_greedy:
         drafts = q_logits.argmax(-1)                                                # [b, K-1]
         if masks is not None:
             masks.start(drafts)
-        p_logits = model.logits(ar_forward(model, cache, backend, st.prompt_hidden,
-                                           torch.cat([anchor[:, None], drafts], 1), verify_view, chunk))
+        p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)
         target = p_logits if masks is None else constrain(p_logits, masks.along())
-        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), q_logits)
+        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), q_logits, width)
     else:
         q = process(q_logits, sp)
         drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
         if masks is not None:
             masks.start(drafts)
-        block = torch.cat([anchor[:, None], drafts], 1)                             # [b, K]
-        hidden = ar_forward(model, cache, backend, st.prompt_hidden, block, verify_view, chunk)
-        p_logits = model.logits(hidden)                                             # [b, K, V]
+        p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)   # [b, K, V]
         target = p_logits if masks is None else constrain(p_logits, masks.along())
         p = process(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), sp)
         verdict = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
-                         rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0])
+                         rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0], width)
     drafts, n_acc, nxt = verdict.drafts, verdict.n_acc, verdict.next_token
     i = torch.arange(k, device=n.device)[None, :]
     emitted = torch.where(i < n_acc[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
     lp = None if plan.logprobs is None else logprobs.block(st, slots, p_logits, emitted, plan.logprobs)
-    return _commit(dev, slots, emitted, n_acc, nxt, lp, plan.paths)
+    n_ver = torch.full_like(n, k - 1) if width is None else width
+    return _commit(dev, slots, emitted, n_acc, nxt, lp, plan.paths, n_ver)
+
+
+def _verify_layout(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor, q_logits: torch.Tensor) -> VerifyLayout:
+    """Which drafts the cycle verifies: ``plan.verify`` of them, where the drafter is most confident
+    (``verify_budget.py``), among the drafts a live row could still emit before its token limit."""
+    st, k = dev.state, plan.block
+    limit = torch.minimum(st.max_new[slots], dev.max_seq_len - st.prompt_len[slots])
+    left = limit - st.out_count[slots]                                        # [b] tokens a row may still emit
+    j = torch.arange(k - 1, device=slots.device)[None, :]
+    useful = (j <= left[:, None] - 2) & st.alive[slots][:, None]              # [b, K-1]: the last can be the bonus
+    return VerifyLayout.of(widths(confidences(q_logits), useful, plan.verify), k, plan.verify)
+
+
+def _verify(dev: DeviceParts, block: torch.Tensor, view: BlockBatch, chunk: ChunkForward | None,
+            layout: VerifyLayout | None) -> torch.Tensor:
+    """The verify forward's logits ``[b, K, V]`` for ``block [b, K]`` (with a ``layout``, computed for
+    its verified cells only; cells past a row's width repeat its last)."""
+    hidden = ar_forward(dev.model, dev.cache, dev.backend, dev.state.prompt_hidden, block, view, chunk, layout)
+    logits = dev.model.logits(hidden)                                         # [b, K, V] | [N, V]
+    return logits if layout is None else layout.cells(logits)
 
 
 def ar_step(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
@@ -215,7 +238,7 @@ def ar_step(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
         p = process(masked, st.sampling(slots, plan.paths))
         nxt = sample(p, rng.uniforms(st.seed[slots], st.counter[slots] + 1, rng.STREAM_AR, 1))[:, 0]
     lp = None if plan.logprobs is None else logprobs.block(st, slots, logits, nxt[:, None], plan.logprobs)
-    return _commit(dev, slots, nxt[:, None], torch.zeros_like(n), nxt, lp, plan.paths)
+    return _commit(dev, slots, nxt[:, None], torch.zeros_like(n), nxt, lp, plan.paths, torch.zeros_like(n))
 
 
 def settle(dev: DeviceParts, slots: torch.Tensor, width: int, lp_width: int | None) -> torch.Tensor:
@@ -226,5 +249,6 @@ def settle(dev: DeviceParts, slots: torch.Tensor, width: int, lp_width: int | No
     zero = none[:, 0]
     first = st.first[slots]
     st.first.index_fill_(0, slots, -1)
-    packed = pack(none, n_emit=zero, n_acc=zero, reason=st.reason[slots], alive=zero, first=first)   # [d, W + 5]
+    packed = pack(none, n_emit=zero, n_acc=zero, reason=st.reason[slots], alive=zero, first=first,
+                  n_ver=zero)                                                 # [d, W + 6]
     return packed if lp_width is None else torch.cat([packed, logprobs.first_block(st, slots, width, lp_width)], 1)

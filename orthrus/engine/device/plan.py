@@ -36,7 +36,8 @@ class IterationPlan:
     power of two with SDPA, ``graphs.key_bound``; the whole capacity with flash, which ignores it).
     ``paths``: the sampling fast paths. ``logprobs``: the top-k width of the logprob block, None = no
     row asked. ``constrained``: some row has a grammar (its masks come from the host during the
-    iteration, so such an iteration is never captured).
+    iteration, so such an iteration is never captured). ``verify``: the drafts the cycle verifies in
+    all, spread over its rows by the drafter's confidence (``verify_budget.py``; None: every draft).
     """
 
     block: int
@@ -46,6 +47,15 @@ class IterationPlan:
     paths: SamplingPaths
     logprobs: int | None
     constrained: bool = False
+    verify: int | None = None
+
+    @property
+    def forward_tokens(self) -> int:
+        """Token positions its forwards compute: a cycle's draft ``[rows, K]`` and verify (the
+        anchors and ``verify`` drafts, or ``[rows, K]``), or an AR step's ``[rows, 1]``."""
+        if self.block == AR:
+            return self.rows
+        return self.rows * self.block + (self.rows * self.block if self.verify is None else self.rows + self.verify)
 
     @property
     def width(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from orthrus.engine.device.verify_budget import VerifyLayout
 from orthrus.model.backends import AttentionBackend, BlockBatch
 from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
@@ -51,20 +52,33 @@ class ChunkForward:
 
 
 def ar_forward(model: OrthrusForCausalLM, cache: PagedKVCache, backend: AttentionBackend, hidden: torch.Tensor,
-               block: torch.Tensor | None, view: BlockBatch | None, chunk: ChunkForward | None) -> torch.Tensor | None:
-    """ONE AR-view forward over an iteration's ``block [b, T]`` (at ``view``) and a step's prompt
-    ``chunk`` after it (either may be None) → the block's hidden ``[b, T, E]`` (None without a
-    block); a completed prompt's last hidden state goes to ``hidden [B, E]``."""
-    if chunk is None:
+               block: torch.Tensor | None, view: BlockBatch | None, chunk: ChunkForward | None,
+               layout: VerifyLayout | None = None) -> torch.Tensor | None:
+    """ONE AR-view forward over an iteration's ``block [b, T]`` (at ``view``; with a verify
+    ``layout``, only its verified cells) and a step's prompt ``chunk`` after it (either may be None)
+    → the block's hidden ``[b, T, E]`` (``[N, E]`` flat with a layout; None without a block); a
+    completed prompt's last hidden state goes to ``hidden [B, E]``."""
+    if chunk is None and layout is None:
         return model.forward_cached(block, cache, view, diffusion=False, backend=backend)
-    groups, tokens, positions, n = chunk.groups, chunk.tokens, chunk.positions, 0
+    groups, tokens, positions, n = [], [], [], 0
     if block is not None:
-        b, t = block.shape
-        n = b * t
-        head = AttentionGroup(view.slot_index(cache.num_slots), view.positions, 0, n, view.kv_len)
-        groups = (head, *(replace(g, first=g.first + n) for g in groups))
-        tokens = torch.cat([block.reshape(-1), tokens])
-        positions = torch.cat([view.positions.reshape(-1), positions])
-    out = model.forward_ragged(tokens, cache, RaggedBatch(positions, groups), diffusion=False, backend=backend)
-    hidden[chunk.slots] = out.index_select(0, chunk.last + n)                  # [h, E]
-    return None if block is None else out[:n].view(*block.shape, -1)          # [b, T, E]
+        tok, pos = block.reshape(-1), view.positions.reshape(-1)             # [b*T]
+        take = put = None
+        if layout is not None:                                               # [N]: the verified cells
+            tok, pos, take, put = layout.flat(block), layout.flat(view.positions), layout.take, layout.put
+        n = tok.shape[0]
+        groups.append(AttentionGroup(view.slot_index(cache.num_slots), view.positions, 0, n, view.kv_len, take, put))
+        tokens.append(tok)
+        positions.append(pos)
+    if chunk is not None:
+        groups += [replace(g, first=g.first + n) for g in chunk.groups]
+        tokens.append(chunk.tokens)
+        positions.append(chunk.positions)
+    batch = RaggedBatch(torch.cat(positions) if len(positions) > 1 else positions[0], tuple(groups))
+    out = model.forward_ragged(torch.cat(tokens) if len(tokens) > 1 else tokens[0], cache, batch,
+                               diffusion=False, backend=backend)             # [n + P, E]
+    if chunk is not None:
+        hidden[chunk.slots] = out.index_select(0, chunk.last + n)              # [h, E]
+    if block is None:
+        return None
+    return out[:n] if layout is not None else out[:n].view(*block.shape, -1)  # [N, E] | [b, T, E]

@@ -129,7 +129,7 @@ class ModelRunner:
             parts.append(self._iterate(plan, it, rows, idx, rides or not graphed, chunk if rides else None))
             if rides:
                 self._prefill(work, chunk, idx, alone=False)
-        slots = (0 if work is None else work.tokens, 0 if plan is None else plan.rows * (2 * plan.block or 1))
+        slots = (0 if work is None else work.tokens, 0 if plan is None else plan.forward_tokens)
         if not step.reads:
             return StepOutput(None, started, *slots)
         if len(step.settled):
@@ -186,16 +186,16 @@ class ModelRunner:
         padding = pad_slots(it.slots, self.num_slots, busy) if self.static_shapes and not constrained else None
         if padding is None:
             return PlacedIteration(IterationPlan(it.block, len(it.slots), len(it.slots) == self.num_slots, it.kv_len,
-                                                 it.paths, logprobs, constrained), it.slots, None)
+                                                 it.paths, logprobs, constrained, it.verify), it.slots, None)
         padded, where = padding.rows, padding.where
         # flash bounds keys per row inside the kernel: one graph for every length (kv_len unused)
         keys = self.cache.capacity if self.backend.name == "flash" else key_bound(it.kv_len, self.cache.capacity)
         return PlacedIteration(IterationPlan(it.block, len(padded), len(padded) == self.num_slots, keys, it.paths,
-                                             logprobs, constrained), padded, where)
+                                             logprobs, constrained, it.verify), padded, where)
 
     def _iterate(self, plan: IterationPlan, it: Iteration, rows: np.ndarray, idx: dict[str, torch.Tensor],
                  eager: bool, chunk: ChunkForward | None) -> torch.Tensor:
-        """The iteration's device work → packed ``[rows, W + 5 (+ logprobs)]``: eagerly, with the
+        """The iteration's device work → packed ``[rows, W + 6 (+ logprobs)]``: eagerly, with the
         constrained rows' grammar masks or prompt chunks, or through the graph of its plan."""
         if plan.constrained:
             first = from_staged(idx["masks"], it.first_masks.shape)
@@ -208,7 +208,7 @@ class ModelRunner:
     def device_iteration(self, plan: IterationPlan, slots: torch.Tensor, masks: IterationMasks | None = None,
                          chunk: ChunkForward | None = None) -> torch.Tensor:
         """The device work of one iteration over ``slots [rows]`` (with a step's prompt ``chunk`` in
-        its AR forward) → packed ``[rows, W + 5 (+ logprobs)]`` (no host reads without ``masks``:
+        its AR forward) → packed ``[rows, W + 6 (+ logprobs)]`` (no host reads without ``masks``:
         this, without a chunk, is what a CUDA graph captures)."""
         if plan.block != AR:
             return kernels.speculative_cycle(self.parts, plan, slots, masks, chunk)

@@ -23,6 +23,11 @@ slower a probe of them is than the winner, 8× less when they are clearly behind
 anchor of every ratio, is re-measured every ``reprobe`` decisions while a block size wins.
 Acceptance per arm is a decayed ratio of sums over live rows (not a mean of per-cycle means), so
 one unlucky cycle does not flip the decision.
+
+The same bandit chooses a cycle's verify budget (``VerifyPolicy``): its arms are fractions of the
+block's drafts verified in all (the device spends them where the drafter is most confident,
+``device/verify_budget.py``), its anchor is verifying every draft, and every arm's tokens per
+cycle is measured (verifying fewer drafts accepts fewer).
 """
 from __future__ import annotations
 
@@ -43,24 +48,27 @@ def halving_block_sizes(block_size: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-class SpeculationPolicy:
-    """Chooses the next iteration's block size (``AR`` = 0 for a plain step) from measured costs."""
+class ArmPolicy:
+    """Chooses among ``arms`` (the anchor first) the one with the highest measured rate, tokens per
+    iteration over wall time; ``anchor_tokens``: the anchor's tokens per iteration when it is known
+    (1 for an AR step; None: measured like the others)."""
 
-    def __init__(self, block_sizes: Sequence[int], window: int = 9, min_samples: int = 3, reprobe: int = 64,
-                 prior_tokens_per_cycle: float = 2.0, decay: float = 0.97, margin: float = 0.05) -> None:
-        if not block_sizes or min(block_sizes) < 2:
-            raise ValueError(f"block sizes must be >= 2, got {tuple(block_sizes)}")
-        self.arms: tuple[int, ...] = (AR, *sorted(set(block_sizes), reverse=True))
+    def __init__(self, arms: Sequence[int], anchor_tokens: float | None, window: int = 9, min_samples: int = 3,
+                 reprobe: int = 64, prior_tokens_per_cycle: float = 2.0, decay: float = 0.97,
+                 margin: float = 0.05) -> None:
+        self.arms: tuple[int, ...] = tuple(arms)
+        self.anchor, self.anchor_tokens = self.arms[0], anchor_tokens
         self.window, self.min_samples, self.reprobe = window, min_samples, reprobe
         self.decay, self.margin = decay, margin
         self.cost: dict[tuple[int, int], float] = {}           # median of the recent samples
         self._samples: dict[tuple[int, int], deque[float]] = {}
-        # decayed sums of (L + 1) and of live row-cycles, per block size
-        self._tokens = {k: prior_tokens_per_cycle for k in self.arms if k != AR}
-        self._cycles = {k: 1.0 for k in self.arms if k != AR}
+        # decayed sums of (L + 1) and of live row-cycles, per arm whose yield is measured
+        measured = [a for a in self.arms if a != self.anchor or anchor_tokens is None]
+        self._tokens = {a: prior_tokens_per_cycle for a in measured}
+        self._cycles = {a: 1.0 for a in measured}
         self.decisions = 0
         self._last: dict[int, dict[int, int]] = {}   # bucket -> arm -> decision at which it last ran
-        self.chosen: dict[int, int] = {k: 0 for k in self.arms}
+        self.chosen: dict[int, int] = {a: 0 for a in self.arms}
 
     @staticmethod
     def bucket(occupancy: int) -> int:
@@ -69,41 +77,46 @@ class SpeculationPolicy:
 
     def tokens_per_cycle(self, arm: int) -> float:
         """Current estimate of tokens per iteration (per row) of an arm."""
-        return 1.0 if arm == AR else self._tokens[arm] / self._cycles[arm]
+        if arm == self.anchor and self.anchor_tokens is not None:
+            return self.anchor_tokens
+        return self._tokens[arm] / self._cycles[arm]
 
     def _cost_ratio(self, arm: int, b: int) -> float | None:
-        """t(arm) / t_ar_step at bucket ``b``, or at the nearest bucket where both were measured."""
-        measured = [k for (a, k) in self.cost if a == arm and (AR, k) in self.cost]
+        """t(arm) / t(anchor) at bucket ``b``, or at the nearest bucket where both were measured."""
+        if arm == self.anchor:
+            return 1.0
+        measured = [k for (a, k) in self.cost if a == arm and (self.anchor, k) in self.cost]
         if not measured:
             return None
         near = b if b in measured else min(measured, key=lambda k: abs(math.log2(k) - math.log2(b)))
-        return self.cost[(arm, near)] / self.cost[(AR, near)]
+        return self.cost[(arm, near)] / self.cost[(self.anchor, near)]
 
     def _unexplored(self, b: int) -> int | None:
-        """The next arm to measure: one with no cost ratio anywhere yet (largest block first); once it
-        has run at this bucket, the AR step there, which gives it a ratio."""
+        """The next arm to measure: one with no cost ratio anywhere yet (in order); once it has run
+        at this bucket, the anchor there, which gives it a ratio."""
         for arm in self.arms[1:]:
             if self._cost_ratio(arm, b) is None:
-                return arm if (arm, b) not in self.cost else AR
+                return arm if (arm, b) not in self.cost else self.anchor
         return None
 
     def rate(self, arm: int, b: int) -> float:
-        """Expected tokens per AR-step-time of an arm at bucket ``b`` (AR = 1)."""
-        if arm == AR:
-            return 1.0
+        """Expected tokens per anchor-iteration-time of an arm at bucket ``b``."""
         ratio = self._cost_ratio(arm, b)
         return 0.0 if ratio is None else self.tokens_per_cycle(arm) / ratio
 
     def best(self, occupancy: int) -> int:
         """The arm with the highest expected rate at this occupancy (no exploration, no probes).
-        A block size must beat AR by ``margin``: AR is the baseline auto promises not to lose to, and
-        on a shared machine cost estimates move by several percent from one measurement to the next."""
+        Another arm must beat the anchor by ``margin``: the anchor is the baseline the choice
+        promises not to lose to, and on a shared machine cost estimates move by several percent
+        from one measurement to the next."""
         b = self.bucket(occupancy)
-        spec = max(self.arms[1:], key=lambda a: self.rate(a, b))
-        return spec if self.rate(spec, b) > 1.0 + self.margin else AR
+        if len(self.arms) == 1:
+            return self.anchor
+        other = max(self.arms[1:], key=lambda a: self.rate(a, b))
+        return other if self.rate(other, b) > self.rate(self.anchor, b) * (1.0 + self.margin) else self.anchor
 
     def choose(self, occupancy: int) -> int:
-        """Block size for an iteration over ``occupancy`` rows, or ``AR``."""
+        """The arm for an iteration over ``occupancy`` rows."""
         b = self.bucket(occupancy)
         self.decisions += 1
         last = self._last.setdefault(b, {a: self.decisions for a in self.arms})
@@ -121,12 +134,12 @@ class SpeculationPolicy:
         to the winner's (a probe of a slow arm costs that much more) and 8x when it is clearly behind,
         so probing spends about 1/reprobe of the time on close contenders and far less on the rest."""
         def cost(a: int) -> float:
-            ratio = None if a == AR else self._cost_ratio(a, b)
+            ratio = self._cost_ratio(a, b)
             return 1.0 if ratio is None else ratio
         for arm in sorted(self.arms, key=lambda a: -self.rate(a, b)):
             if arm == best:
                 continue
-            if arm == AR:   # the baseline is the cheapest check, and the anchor of every ratio
+            if arm == self.anchor:   # the anchor of every ratio is re-measured on the plain interval
                 interval = self.reprobe
             else:
                 behind = self.rate(arm, b) < 0.8 * self.rate(best, b)
@@ -137,7 +150,7 @@ class SpeculationPolicy:
 
     def observe(self, arm: int, occupancy: int, seconds: float | None, tokens: int = 0, live_rows: int = 0) -> None:
         """Fold in one iteration's wall time (None: not the arm's alone, e.g. prompt chunks rode in
-        its forward) and, for a cycle, the live rows' summed (L + 1)."""
+        its forward) and the live rows' summed tokens (L + 1)."""
         key = (arm, self.bucket(occupancy))
         if seconds is not None and key not in self._samples:   # an arm's first run at a bucket pays
             self._samples[key] = deque(maxlen=self.window)      # one-off costs (allocation, caches, capture)
@@ -145,6 +158,32 @@ class SpeculationPolicy:
             self._samples[key].append(seconds)
             if len(self._samples[key]) >= self.min_samples:   # a ratio never rests on one sample
                 self.cost[key] = statistics.median(self._samples[key])
-        if arm != AR and live_rows:
+        if arm in self._tokens and live_rows:
             self._tokens[arm] = self.decay * self._tokens[arm] + tokens
             self._cycles[arm] = self.decay * self._cycles[arm] + live_rows
+
+
+class SpeculationPolicy(ArmPolicy):
+    """Chooses the next iteration's block size (``AR`` = 0 for a plain step) from measured costs."""
+
+    def __init__(self, block_sizes: Sequence[int]) -> None:
+        if not block_sizes or min(block_sizes) < 2:
+            raise ValueError(f"block sizes must be >= 2, got {tuple(block_sizes)}")
+        super().__init__((AR, *sorted(set(block_sizes), reverse=True)), 1.0)
+
+
+# A cycle's verify budget, in eighths of its drafts: all of them (the anchor), half, a quarter, an eighth.
+VERIFY_EIGHTHS = (8, 4, 2, 1)
+
+
+class VerifyPolicy(ArmPolicy):
+    """Chooses how many of a cycle's drafts it verifies in all, in eighths (``VERIFY_EIGHTHS``)."""
+
+    def __init__(self) -> None:
+        super().__init__(VERIFY_EIGHTHS, None)
+
+    @staticmethod
+    def budget(eighths: int, rows: int, block: int) -> int | None:
+        """The drafts verified in all by ``rows`` rows of a ``block`` cycle (None: every draft)."""
+        drafts = rows * (block - 1)
+        return None if eighths >= 8 else max(1, -(-drafts * eighths // 8))

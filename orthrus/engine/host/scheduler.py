@@ -19,14 +19,14 @@ import numpy as np
 from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, attention_groups, slot_params
 from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.engine.host.pages import PagePool
-from orthrus.engine.host.policy import SpeculationPolicy, halving_block_sizes
+from orthrus.engine.host.policy import SpeculationPolicy, VerifyPolicy, halving_block_sizes
 from orthrus.engine.host.prefilling import Prefilling
 from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex, block_hashes
 from orthrus.engine.host.requests import Request
-from orthrus.engine.host.slot_table import SlotTable
+from orthrus.engine.host.slot_table import Recorded, SlotTable
 from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
 from orthrus.engine.outputs import EngineStats, FinishReason, RequestOutput
-from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
+from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, SamplingPaths, ScheduledStep, StepOutput
 from orthrus.params import RowStats
 
 
@@ -44,7 +44,7 @@ class Scheduler:
     def __init__(self, num_slots: int, block_size: int, max_seq_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], grammars: SlotGrammars, stops: StopStringScanner | None,
                  prefix_cache: bool, mode: bool | str, num_pages: int, page_size: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, adaptive_verify: bool = True) -> None:
         self.num_slots, self.block_size, self.max_seq_len, self.vocab_size = num_slots, block_size, max_seq_len, vocab_size
         self.capacity = max_seq_len + block_size
         self.eos_token_ids, self.grammars, self.stops = eos_token_ids, grammars, stops
@@ -52,6 +52,9 @@ class Scheduler:
         # The policy outlives requests: costs are a property of this engine on this device,
         # acceptance of this model on this workload.
         self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
+        # A cycle's verify budget, per block size (adaptive_verify; _choose_verify says where).
+        self.adaptive_verify = adaptive_verify
+        self.verify_policies: dict[int, VerifyPolicy] = {}
         # The prefix cache (prefix_cache.py): whole prompt pages by hash, running slots by prompt.
         self.page_index = PageIndex(page_size) if prefix_cache else None
         self.prefix_index = PrefixIndex(page_size) if prefix_cache else None
@@ -184,10 +187,22 @@ class Scheduler:
         # and "auto" already picks the size by occupancy.
         block = _cap_block(chosen, remaining) if paths.all_greedy or self.mode == "auto" else chosen
         constrained = self.grammars.any(live)
+        eighths = self._choose_verify(block, len(live), paths, constrained)
         return Iteration(block, live, self.table.kv_len(live), paths,
                          first_masks=self.grammars.first[live] if constrained else None,
                          grammar=self.grammars if constrained else None,
-                         arm=chosen if self.mode == "auto" and block == chosen else None)   # a capped block measures no arm
+                         arm=chosen if self.mode == "auto" and block == chosen else None,   # a capped block measures no arm
+                         verify=None if eighths is None else VerifyPolicy.budget(eighths, len(live), block),
+                         verify_arm=eighths)
+
+    def _choose_verify(self, block: int, occupancy: int, paths: SamplingPaths, constrained: bool) -> int | None:
+        """A cycle's verify budget in eighths of its drafts (the verify policy's choice), or None:
+        every draft. Like the block size, the budget is part of a sampled row's draws, and it is
+        chosen from measured times: so it adapts only where output cannot depend on it (every row
+        greedy) or already does ("auto"). A constrained cycle verifies every draft."""
+        if not self.adaptive_verify or block == AR or constrained or not (paths.all_greedy or self.mode == "auto"):
+            return None
+        return self.verify_policies.setdefault(block, VerifyPolicy()).choose(occupancy)
 
     def _choose_block(self, occupancy: int) -> int:
         """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""
@@ -313,18 +328,21 @@ class Scheduler:
         """Fold a step's read into the host book → the requests that finished (rows the host ends
         here, by a stop string or a failed grammar, are marked dead by the next step)."""
         done, self._done = self._done, []
-        self.stats += self._step_stats(step, out)          # one record per step: the counters add up
-        if out.packed is None:
-            return done
         it, rows = step.iteration, step.rows
-        rec = self.table.record(rows, out.packed, it.block if it is not None else AR)
+        rec = None if out.packed is None else self.table.record(rows, out.packed, it.block if it is not None else AR)
+        self.stats += self._step_stats(step, out, rec)     # one record per step: the counters add up
+        if rec is None:
+            return done
         if self.grammars.any(rows):
             self.grammars.advance(rows, self.table.generated)
-        if it is not None and it.arm is not None:
+        if it is not None and (it.arm is not None or it.verify_arm is not None):
             # a step whose forward also computed prompt chunks times more than the arm: acceptance only
             chunked = step.prefill is not None and bool(step.prefill.groups)
             seconds = None if chunked else time.perf_counter() - out.started
-            self.policy.observe(it.arm, len(it.slots), seconds, rec.tokens, rec.live)
+            if it.arm is not None:
+                self.policy.observe(it.arm, len(it.slots), seconds, rec.tokens, rec.live)
+            if it.verify_arm is not None:
+                self.verify_policies[it.block].observe(it.verify_arm, len(it.slots), seconds, rec.tokens, rec.live)
         ended = dict(zip(rec.finished.tolist(), rec.reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(rows)
         failed = self.grammars.take_failed()      # rows whose own grammar failed: they end in error
@@ -335,9 +353,9 @@ class Scheduler:
                        self._output(s, FinishReason(ended.get(s, FinishReason.STOP)), hits.get(s))
                        for s in sorted(set(ended) | set(hits) | set(failed))]
 
-    def _step_stats(self, step: ScheduledStep, out: StepOutput) -> EngineStats:
+    def _step_stats(self, step: ScheduledStep, out: StepOutput, rec: Recorded | None) -> EngineStats:
         """What one step adds to the engine's counters (a slot whose prompt chunk rode in the
-        iteration's forward worked in it too)."""
+        iteration's forward worked in it too; ``rec``: what its read recorded)."""
         it, slots = step.iteration, out.prefill_slots + out.iteration_slots
         if it is None:
             return EngineStats(forward_token_slots=slots, prefill_token_slots=out.prefill_slots,
@@ -346,7 +364,8 @@ class Scheduler:
         if step.prefill is not None and step.prefill.groups:
             worked = len(set(it.slots.tolist()) | {c.slot for g in step.prefill.groups for c in g})
         return EngineStats(iterations=1, busy_slot_iterations=worked, page_iterations=self.pool.in_use,
-                           forward_token_slots=slots, prefill_token_slots=out.prefill_slots, read_steps=1)
+                           forward_token_slots=slots, prefill_token_slots=out.prefill_slots, read_steps=1,
+                           verified_draft_tokens=rec.verified, accepted_draft_tokens=rec.accepted)
 
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""

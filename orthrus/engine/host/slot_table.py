@@ -23,12 +23,15 @@ from orthrus.params import RowStats
 @dataclass(frozen=True)
 class Recorded:
     """What one iteration did, from the host's book: the slots that finished in it and their
-    ``FinishReason`` codes, tokens produced by its live rows (sum of L + 1) and how many rows were live."""
+    ``FinishReason`` codes, tokens produced by its live rows (sum of L + 1), how many rows were
+    live, and the drafts they verified and accepted."""
 
     finished: np.ndarray
     reasons: np.ndarray
     tokens: int
     live: int
+    verified: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class SlotTable:
         self.cycles = np.zeros(num_slots, dtype=np.int64)
         self.accepted = np.zeros(num_slots, dtype=np.int64)
         self.drafted = np.zeros(num_slots, dtype=np.int64)
+        self.verified = np.zeros(num_slots, dtype=np.int64)
         self.ar_steps = np.zeros(num_slots, dtype=np.int64)
         self.hist = np.zeros((num_slots, width), dtype=np.int64)
         # Reasoning rows: still in their phase (before their think end), and the iterations and
@@ -102,7 +106,7 @@ class SlotTable:
             self.requests[slot] = req
             req.slot = slot
         self.busy_mask[slots] = True
-        for arr in (self.count, self.cycles, self.accepted, self.drafted, self.ar_steps, self.hist,
+        for arr in (self.count, self.cycles, self.accepted, self.drafted, self.verified, self.ar_steps, self.hist,
                     self.thinking_cycles, self.thinking_ar_steps, self.thinking_accepted):
             arr[slots] = 0
         self.thinking[slots] = [r.reasoning is not None for r in requests]
@@ -155,10 +159,13 @@ class SlotTable:
         self.cycles[slots] += live
         self.drafted[slots] += live * (block_size - 1)
         self.accepted[slots] += out.n_acc
+        self.verified[slots] += out.n_ver
         self.thinking_cycles[slots] += thinking
         self.thinking_accepted[slots] += out.n_acc * thinking
         np.add.at(self.hist, (slots[live], out.n_acc[live]), 1)
-        return Recorded(slots[ended], out.reason[ended], int(out.n_acc[live].sum() + live.sum()), int(live.sum()))
+        accepted = int(out.n_acc[live].sum())
+        return Recorded(slots[ended], out.reason[ended], accepted + int(live.sum()), int(live.sum()),
+                        int(out.n_ver[live].sum()), accepted)
 
     def generated(self, slot: int) -> np.ndarray:
         """The slot's generated tokens so far (a view)."""
@@ -179,7 +186,8 @@ class SlotTable:
                          num_tokens_after_stop=0 if end is None else count - end,
                          num_reasoning_cycles=int(self.thinking_cycles[slot]),
                          num_reasoning_ar_steps=int(self.thinking_ar_steps[slot]),
-                         num_reasoning_accepted_draft_tokens=int(self.thinking_accepted[slot]))
+                         num_reasoning_accepted_draft_tokens=int(self.thinking_accepted[slot]),
+                         num_verified_draft_tokens=int(self.verified[slot]))
         tokens = self.tokens[slot, :keep].tolist()  # SYNC: none (host numpy)
         self.requests[slot] = None
         self.busy_mask[slot] = False
