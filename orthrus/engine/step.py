@@ -21,6 +21,13 @@ from orthrus.engine.packed import Packed
 AR = 0   # block size of a plain AR step
 
 
+def verify_budget(eighths: int | None, rows: int, block: int) -> int | None:
+    """``eighths``/8 of the drafts of ``rows`` rows of a ``block`` cycle, at least one (None: all)."""
+    if eighths is None or eighths >= 8 or block == AR:
+        return None
+    return max(1, -(-rows * (block - 1) * eighths // 8))
+
+
 def occupancy_bucket(n: int) -> int:
     """The next power of two of ``n`` (at least 1): the speculation policy's occupancy bucket and a
     static iteration's padded row count, the same numbers so that what the policy measures at a
@@ -138,9 +145,9 @@ class Iteration:
 
     ``kv_len``: host-known bound on the keys a row can see. ``first_masks [n, W]`` and ``grammar``:
     only when some row is constrained. ``arm``: the block size the speculation policy measures with
-    this iteration's time (None: a block the policy did not choose as is). ``verify``: the drafts a
-    cycle verifies in all, where its drafter is most confident (None: every draft); ``verify_arm``:
-    the per-row width the verify policy measures with this iteration (None: not its choice)."""
+    this iteration's time (None: a block the policy did not choose as is). ``verify_eighths``: the
+    share of a cycle's drafts it verifies, where its drafter is most confident (None: every draft;
+    the verify policy's arm, measured with this iteration's time)."""
 
     block: int
     slots: np.ndarray
@@ -149,8 +156,12 @@ class Iteration:
     first_masks: np.ndarray | None = None
     grammar: DraftMasks | None = None
     arm: int | None = None
-    verify: int | None = None
-    verify_arm: int | None = None
+    verify_eighths: int | None = None
+
+    def verify_budget(self, rows: int) -> int | None:
+        """The drafts a cycle over ``rows`` rows (the padded count of a static iteration: what it
+        computes, so a graph serves every occupancy of its bucket) verifies in all (None: all)."""
+        return verify_budget(self.verify_eighths, rows, self.block)
 
     @property
     def width(self) -> int:

@@ -121,7 +121,10 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     got = _wait_for_metrics(head["metrics"], lambda m: m["ray_orthrus_rows_total"]["ok"] >= 24
                             and m["ray_orthrus_completion_tokens_total"][""] >= tokens
                             and m["ray_orthrus_prefill_tokens_total"][""] >= computed
-                            and m["ray_orthrus_prefix_cache_hit_tokens_total"][""] >= hits)
+                            and m["ray_orthrus_prefix_cache_hit_tokens_total"][""] >= hits
+                            # gauges are exported apart from the counters: wait for both actors' too
+                            and m["ray_orthrus_tokens_per_cycle"][""] >= 2.0
+                            and m["ray_orthrus_kv_pages_peak"][""] > 0)
     assert got["ray_orthrus_rows_total"]["ok"] == 24 and got["ray_orthrus_rows_total"].get("error", 0) == 0
     assert got["ray_orthrus_completion_tokens_total"][""] == tokens
     assert got["ray_orthrus_audit_rows_total"]["match"] == len(audited)

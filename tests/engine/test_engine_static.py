@@ -120,15 +120,18 @@ def test_flash_is_refused_where_it_cannot_run(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [True, False], ids=["cycle", "ar-step"])
+@pytest.mark.parametrize("spec", [True, False, "budget"], ids=["cycle", "ar-step", "cycle-verify-budget"])
 @pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "sampled"])
 def test_static_iteration_traces_as_one_graph(model, spec, all_greedy):
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
     engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])   # leaves a reset, valid state
     torch._dynamo.reset()
     k = engine.block_size if spec else 0
-    placed = engine.runner.plan(Iteration(k, np.arange(4), 0, SamplingPaths(not all_greedy, all_greedy)), None, NONE)
+    eighths = 2 if spec == "budget" else None      # a quarter of the drafts, chosen on the device
+    it = Iteration(k, np.arange(4), 0, SamplingPaths(not all_greedy, all_greedy), verify_eighths=eighths)
+    placed = engine.runner.plan(it, None, NONE)
     plan, rows = placed.plan, placed.rows
+    assert (plan.verify is not None) == (spec == "budget")
     assert rows.tolist() == [0, 1, 2, 3] and plan.kv_len == key_bound(0, engine.cache.capacity) and plan.all_slots
     traced = torch.compile(lambda s: engine.runner.device_iteration(plan, s), backend="eager", fullgraph=True,
                            dynamic=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from orthrus.engine.host.policy import AR, VERIFY_EIGHTHS, SpeculationPolicy, VerifyPolicy, halving_block_sizes
+from orthrus.engine.step import verify_budget
 
 ACCEPT = [0.83, 0.42, 0.37, 0.21, 0.35, 0.6, 1.0]          # the bundled model's per-position rates
 
@@ -105,7 +106,7 @@ def test_falling_acceptance_moves_auto_to_ar():
 # V of the b * 7 drafts; rows verify V / b drafts each, the most likely first (fractional: interpolated).
 def verify_seconds(eighths: int, b: int, knee: int = 32) -> float:
     forward = lambda n: max(1.0, n / knee)                  # noqa: E731 - flat, then linear
-    v = VerifyPolicy.budget(eighths, b, 8)
+    v = verify_budget(eighths, b, 8)
     return 0.2 + forward(8 * b) + forward(b + (7 * b if v is None else v))
 
 

@@ -186,12 +186,13 @@ class ModelRunner:
         padding = pad_slots(it.slots, self.num_slots, busy) if self.static_shapes and not constrained else None
         if padding is None:
             return PlacedIteration(IterationPlan(it.block, len(it.slots), len(it.slots) == self.num_slots, it.kv_len,
-                                                 it.paths, logprobs, constrained, it.verify), it.slots, None)
+                                                 it.paths, logprobs, constrained, it.verify_budget(len(it.slots))),
+                                   it.slots, None)
         padded, where = padding.rows, padding.where
         # flash bounds keys per row inside the kernel: one graph for every length (kv_len unused)
         keys = self.cache.capacity if self.backend.name == "flash" else key_bound(it.kv_len, self.cache.capacity)
         return PlacedIteration(IterationPlan(it.block, len(padded), len(padded) == self.num_slots, keys, it.paths,
-                                             logprobs, constrained, it.verify), padded, where)
+                                             logprobs, constrained, it.verify_budget(len(padded))), padded, where)
 
     def _iterate(self, plan: IterationPlan, it: Iteration, rows: np.ndarray, idx: dict[str, torch.Tensor],
                  eager: bool, chunk: ChunkForward | None) -> torch.Tensor:

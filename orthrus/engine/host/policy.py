@@ -181,9 +181,3 @@ class VerifyPolicy(ArmPolicy):
 
     def __init__(self) -> None:
         super().__init__(VERIFY_EIGHTHS, None)
-
-    @staticmethod
-    def budget(eighths: int, rows: int, block: int) -> int | None:
-        """The drafts verified in all by ``rows`` rows of a ``block`` cycle (None: every draft)."""
-        drafts = rows * (block - 1)
-        return None if eighths >= 8 else max(1, -(-drafts * eighths // 8))

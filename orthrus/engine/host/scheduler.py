@@ -192,8 +192,7 @@ class Scheduler:
                          first_masks=self.grammars.first[live] if constrained else None,
                          grammar=self.grammars if constrained else None,
                          arm=chosen if self.mode == "auto" and block == chosen else None,   # a capped block measures no arm
-                         verify=None if eighths is None else VerifyPolicy.budget(eighths, len(live), block),
-                         verify_arm=eighths)
+                         verify_eighths=eighths)
 
     def _choose_verify(self, block: int, occupancy: int, paths: SamplingPaths, constrained: bool) -> int | None:
         """A cycle's verify budget in eighths of its drafts (the verify policy's choice), or None:
@@ -335,14 +334,14 @@ class Scheduler:
             return done
         if self.grammars.any(rows):
             self.grammars.advance(rows, self.table.generated)
-        if it is not None and (it.arm is not None or it.verify_arm is not None):
+        if it is not None and (it.arm is not None or it.verify_eighths is not None):
             # a step whose forward also computed prompt chunks times more than the arm: acceptance only
             chunked = step.prefill is not None and bool(step.prefill.groups)
             seconds = None if chunked else time.perf_counter() - out.started
             if it.arm is not None:
                 self.policy.observe(it.arm, len(it.slots), seconds, rec.tokens, rec.live)
-            if it.verify_arm is not None:
-                self.verify_policies[it.block].observe(it.verify_arm, len(it.slots), seconds, rec.tokens, rec.live)
+            if it.verify_eighths is not None:
+                self.verify_policies[it.block].observe(it.verify_eighths, len(it.slots), seconds, rec.tokens, rec.live)
         ended = dict(zip(rec.finished.tolist(), rec.reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(rows)
         failed = self.grammars.take_failed()      # rows whose own grammar failed: they end in error
