@@ -60,6 +60,8 @@ def take_lease(out: OutputDir) -> Lease:
 def _check_structured(config: JobConfig, tokenizer) -> None:
     """Compile ``sampling.structured`` for the model's tokenizer: a schema, pattern or grammar that
     does not compile fails the job now (exit 2), not as every row's error after the model loads."""
+    if config.sampling.structured is None:   # nothing to compile: the compiler's imports are not needed
+        return
     from orthrus import check_structured
 
     try:
@@ -238,6 +240,9 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orthrus-ids")
     try:
         ids_checked = checker.submit(check_ids, inputs)
+        # No more work for it: its thread ends with the check. An idle pool thread lives until shutdown,
+        # and the commit loop waits (10 s, bounded) for every "orthrus-ids" thread before Ray may stop.
+        checker.shutdown(wait=False)
         loop = _loop(config, inputs, out, tracker, progress, ids_checked)
         dataset = build_dataset(config, inputs, pending, placement, stage_cls) if pending else None
         blocks = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if dataset is not None else ()
