@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 CHAIN = ("before_ray_s", "ray_start_s", "actor_start_s", "model_load_s", "input_wait_s")
 INPUT_SIDE = ("first_read_s", "first_prepare_s")
@@ -38,10 +39,11 @@ def process_start() -> float | None:
     try:
         with open(f"/proc/{os.getpid()}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])   # field 22: start time after boot
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            # the seconds since boot now, to 10 ms (/proc/stat's boot time has whole seconds only)
+            up = float(f.read().split()[0])
+        return time.time() - (up - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -53,7 +55,7 @@ class DriverClock:
     ray_init: float | None = None
     ray_ready: float | None = None
 
-    def ray(self, start) -> str:
+    def ray(self, start: Callable[[], str]) -> str:
         """Run ``start()`` (``ray.init``), noting when it began and ended; returns its result."""
         self.ray_init = time.time()
         try:
