@@ -36,6 +36,7 @@ from pipeline.run.crash import crash_message, refusal_message
 from pipeline.output.directory import OutputWriteError
 from pipeline.run.commit import settle_ray_data_threads
 from pipeline.run.terminal import QuietTerminal, ray_log_path
+from pipeline.report.startup import DriverClock
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     resume = args.resume or any(repairs.values())
     flags = [f"behaviour.{k}={str(v).lower()}" for k, v in
              {"resume": resume, "overwrite": args.overwrite, **repairs}.items()] if (resume or args.overwrite) else []
-    output, terminal = None, None
+    output, terminal, clock = None, None, DriverClock()
     try:
         prepared = preflight(load_config(args.config, [*args.overrides, *flags]))
         output = prepared.out
         with take_lease(output) as lease:   # before Ray starts: one writer per directory
             prepared.out.lease = lease
             terminal = None if args.verbose else QuietTerminal(ray_log_path(output.run_id))
-            summary = run(prepared, _connect(args.address, terminal))
+            summary = run(prepared, _connect(args.address, terminal, clock), clock=clock)
     except ConfigError as e:
         _shutdown_ray()
         print(f"error: {refusal_message(e, output)}", file=sys.stderr)
@@ -93,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["run"]["complete"] else 1
 
 
-def _connect(address: str | None, terminal: QuietTerminal | None) -> str:
-    """Start or join Ray (``connect``); with ``terminal``, Ray's own notices go to its log file."""
+def _connect(address: str | None, terminal: QuietTerminal | None, clock: DriverClock) -> str:
+    """Start or join Ray (``connect``, timed on ``clock``); with ``terminal``, Ray's own notices go to its log file."""
     if terminal is None:
-        return connect(address)
+        return clock.ray(lambda: connect(address))
     terminal.start()
     print(f"[orthrus] Ray's own notices and the actors' lines: {terminal.path} (--verbose prints them here)",
           flush=True)
-    mode = connect(address)
+    mode = clock.ray(lambda: connect(address))
     terminal.divert_native()     # after ray.init: the processes it started keep the real stderr
     terminal.divert_workers()    # after ray.init: it installs the relay of the actors' lines
     return mode

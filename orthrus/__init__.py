@@ -7,13 +7,25 @@ sampling and speculative acceptance), ``orthrus.params`` (request parameters and
 constraints; their grammar masks live in ``orthrus.engine.host.grammar``). Training lives apart, in ``orthrus_train``.
 """
 from orthrus.constraints import Constraint, ConstraintError
-from orthrus.engine import (EngineStats, EngineStepError, FinishReason, GenerationResult, KVPages, OrthrusEngine,
-                            RequestOutput)
-from orthrus.engine.host.grammar import check_structured
+from orthrus.engine import EngineStats, EngineStepError, FinishReason, GenerationResult, KVPages, RequestOutput
 from orthrus.metrics import tokens_per_cycle
-from orthrus.model import OrthrusForCausalLM
 from orthrus.params import RowStats, SamplingParams
 from orthrus.reasoning import ReasoningTokens
+
+# Loaded on first use: the engine and the model import torch and transformers' model code (seconds
+# of CPU), which a process that only builds requests or reads results never needs (the batch job's
+# read and tokenization tasks, its driver). ``from orthrus import OrthrusEngine`` works as before.
+_LAZY = {"OrthrusEngine": "orthrus.engine.engine", "OrthrusForCausalLM": "orthrus.model",
+         "check_structured": "orthrus.engine.host.grammar"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'orthrus' has no attribute {name!r}")
+
 
 __all__ = ["Constraint", "ConstraintError", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "KVPages", "OrthrusEngine", "OrthrusForCausalLM",
            "ReasoningTokens", "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]

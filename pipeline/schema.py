@@ -71,6 +71,12 @@ DERIVED_ID = "__derived_id"            # read -> preprocess: '<file name>:<row i
 TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
 ENGINE_TEXT = "__engine_text"          # engine -> detokenize (RequestOutput.text, when usable as is)
 BATCH = "__batch"                      # generate -> driver: one record per batch, on its first row (actor/records.py)
+STARTUP = "__startup"                  # read -> preprocess -> generate: when a block was read and prepared
+                                       # (STARTUP_TIMES on its first row; the actor moves it into its batch record)
+
+# The input side's moments (``time.time()``) for the job's start-up split (``report/startup.py``).
+STARTUP_TIMES = pa.struct([pa.field(name, pa.float64())
+                           for name in ("read_start", "read_end", "prepare_start", "prepare_end")])
 
 FINISH_REASONS = ("stop", "length", "error")
 GENERATED_TYPES = {**{f.name: f.type for f in GENERATED_FIELDS}, TEXT_IDS: pa.list_(pa.int32()), ENGINE_TEXT: pa.string()}

@@ -7,6 +7,7 @@ engine steps) when the batch arrived and when it ended, and the engine's slots. 
 counters' growth since the actor's previous batch record (per-actor deltas, so records add up;
 the part footers' engine aggregate is summed from it, ``output/stats.py``). ``kv_pages``: the KV
 page pool at the batch's end (``orthrus.KVPages``; its peak is the most pages the engine held).
+``constructed`` and ``input``: the moments of the job's start-up split (``report/startup.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 import pyarrow as pa
 
 from orthrus import EngineStats, KVPages
+from pipeline import schema as S
 
 STATS = pa.struct([pa.field(f.name, pa.int64()) for f in fields(EngineStats)])
 KV_PAGES = pa.struct([pa.field(f.name, pa.int64()) for f in fields(KVPages)])
@@ -28,6 +30,9 @@ BATCH_RECORD = pa.struct([
     pa.field("occupancy", OCCUPANCY),          # null: no engine counters (a stand-in stage)
     pa.field("since", STATS),                  # null: no engine counters
     pa.field("kv_pages", KV_PAGES),            # the page pool at the batch's end; null: no engine
+    # the actor's constructor (wall clock): when it began (its process is up, its modules imported) and ended
+    pa.field("constructed", pa.struct([pa.field("start", pa.float64()), pa.field("end", pa.float64())])),
+    pa.field("input", S.STARTUP_TIMES),        # the batch's earliest-prepared rows' times; null: none carried
 ])
 
 

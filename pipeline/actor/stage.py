@@ -78,6 +78,7 @@ class GenerationStage:
     wants_row_keys = False      # a subclass acting on rows' ids (``faults.FaultyStage``) sets it
 
     def __init__(self, plan: StagePlan) -> None:
+        constructed = time.time()     # wall clock: the driver's start-up split compares it with its own moments
         self.plan = plan
         self.device = "cuda" if plan.use_gpu and torch.cuda.is_available() else "cpu"
         model_dir = resolve_model_dir(plan.model, plan.storage)
@@ -93,6 +94,7 @@ class GenerationStage:
         self.metrics = _actor_metrics(self.actor)
         self.total_tokens = 0
         self.reported = EngineStats()   # the engine's counters at the previous batch record
+        self.constructed = {"start": constructed, "end": time.time()}
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}] device={self.device} "
               f"model={model_dir} block_size={self.engine.block_size} slots={self.engine.max_batch_size}",
               flush=True)
@@ -245,14 +247,15 @@ class GenerationStage:
         for name, values in (("audit_match", [audits[i] is None if i in audits else None for i in range(n)]),
                              ("audit_first_divergence", [audits.get(i) for i in range(n)])):
             cols[name] = pa.array(values, S.GENERATED_TYPES[name]) if audits else pa.nulls(n, S.GENERATED_TYPES[name])
-        table = _with_columns(batch.drop_columns([c for c in (REQUEST, ERROR) if c in batch.column_names]),
+        table = _with_columns(batch.drop_columns([c for c in (REQUEST, ERROR, S.STARTUP) if c in batch.column_names]),
                               {name: cols[name] for name in _ASSEMBLED})
         if not self.plan.batch_records:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
                   "tokens": sum(len(r.token_ids) for r in ok if r), "seconds": call_seconds, "started": started,
                   "occupancy": occupancy_record(*occupancy), "since": asdict(since),
-                  "kv_pages": None if occupancy[1].kv is None else asdict(occupancy[1].kv)}
+                  "kv_pages": None if occupancy[1].kv is None else asdict(occupancy[1].kv),
+                  "constructed": self.constructed, "input": _input_times(batch)}
         # One record per batch, on its first row: the driver reads the few non-null ones.
         return table.append_column(pa.field(S.BATCH, BATCH_RECORD),
                                    pa.array(([record] + [None] * (n - 1)) if n else [], BATCH_RECORD))
@@ -281,6 +284,14 @@ def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
     schema = pa.schema([*table.schema, *(pa.field(name, a.type) for name, a in columns.items())],
                        metadata=table.schema.metadata)
     return pa.Table.from_arrays([*table.columns, *columns.values()], schema=schema)
+
+
+def _input_times(batch: pa.Table) -> dict | None:
+    """The earliest-prepared input times the batch's rows carry (``schema.STARTUP``), or None."""
+    if S.STARTUP not in batch.column_names:
+        return None
+    found = [r for r in batch[S.STARTUP].drop_null().to_pylist() if r["prepare_end"] is not None]
+    return min(found, key=lambda r: r["prepare_end"]) if found else None
 
 
 def _row_keys(batch: pa.Table, requests: Requests) -> list[str]:

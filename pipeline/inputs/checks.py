@@ -163,11 +163,21 @@ class _Tasks:
         return refs if self.ray is None else self.ray.get(refs)
 
 
+def _id_window() -> int:
+    """How many id tasks run at once: 4, fewer on a small cluster. Each running task holds a worker
+    process, and a process started for it competes with the actors' start for the few cores (on 2
+    cores, 4 of them cost the demo seconds before its first batch); one at a time reuses one."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0) if ray.is_initialized() else 0
+    return max(1, min(4, int(cpus) // 2))
+
+
 def check_ids(plan: InputPlan) -> None:
     """Raise :class:`ConfigError` unless every row has an id and no two rows share one (Ray tasks)."""
     if plan.id_column is None:        # derived '<file name>:<row index>' ids are unique by construction
         return
-    fs, column, tasks = plan.filesystem, plan.id_column, _Tasks()
+    fs, column, tasks = plan.filesystem, plan.id_column, _Tasks(window=_id_window())
     summaries = tasks.get(tasks.call(file_ids, [(f, column, fs) for f in plan.files]))
     for s in summaries:
         if s.error:

@@ -12,6 +12,7 @@ blocks from files whose schemas differ concatenate.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +222,21 @@ def preprocess_batch(batch: pa.Table, plan: PreprocessPlan) -> pa.Table:
     """What the read tasks' rows become on their way to the actors: :func:`job_rows`, then the
     processor's prepare stage, in one call, so each row's SamplingParams is built once (the job's
     dataset runs it as its one preprocessing operator; the processor's own prepare map is skipped)."""
+    start = time.time()
     rows = job_rows(batch, plan)
     table = prepare_rows(rows.table, plan.prepare, rows.sampling)
-    return with_sketch(table, prompt_ids(table[REQUEST]))      # the run's ideal prefill (summary.json)
+    table = with_sketch(table, prompt_ids(table[REQUEST]))      # the run's ideal prefill (summary.json)
+    return _with_times(table, batch, start)
+
+
+def _with_times(table: pa.Table, batch: pa.Table, start: float) -> pa.Table:
+    """``table`` with ``schema.STARTUP`` on its first row: the earliest-read block of ``batch`` and
+    this call's own start and end (the job's start-up split, ``report/startup.py``)."""
+    read = {}
+    if S.STARTUP in batch.column_names:
+        found = [r for r in batch[S.STARTUP].drop_null().to_pylist() if r["read_end"] is not None]
+        read = min(found, key=lambda r: r["read_end"]) if found else {}
+    times = {"read_start": read.get("read_start"), "read_end": read.get("read_end"),
+             "prepare_start": start, "prepare_end": time.time()}
+    column = pa.array(([times] + [None] * (table.num_rows - 1)) if table.num_rows else [], S.STARTUP_TIMES)
+    return table.append_column(pa.field(S.STARTUP, S.STARTUP_TIMES), column)

@@ -16,6 +16,7 @@ holds, and ``--resume`` continues once the file is fixed.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +167,7 @@ def make_datasource(plan: InputPlan, pending: dict[str, Pending | None], n: int)
             return None
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list:
-            return [ReadTask(lambda t=t: [read_row_group(t, spec, n)],
+            return [ReadTask(lambda t=t: [_timed_read(t, spec, n)],
                              BlockMetadata(num_rows=t.num_rows, size_bytes=None, input_files=[t.path],
                                            exec_stats=None))
                     for t in self.tasks]
@@ -175,6 +176,15 @@ def make_datasource(plan: InputPlan, pending: dict[str, Pending | None], n: int)
             return "ReadInputs"
 
     return InputSource()
+
+
+def _timed_read(task: RowGroupTask, spec: ReadSpec, n: int) -> pa.Table:
+    """:func:`read_row_group` with when it ran on the block's first row (``schema.STARTUP``, its read
+    fields; the preprocess step adds its own): the job's start-up split reads it (``report/startup.py``)."""
+    start = time.time()
+    table = read_row_group(task, spec, n)
+    times = [{"read_start": start, "read_end": time.time()}] + [None] * (table.num_rows - 1)
+    return table.append_column(pa.field(S.STARTUP, S.STARTUP_TIMES), pa.array(times[:table.num_rows], S.STARTUP_TIMES))
 
 
 def read_file(plan: InputPlan, index: int, n: int) -> pa.Table:

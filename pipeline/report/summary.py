@@ -21,6 +21,7 @@ from pipeline.output import stats as St
 from pipeline.output.prefix_ideal import ideal_computed_tokens
 from pipeline.output.stats import prefix_cache_hit_rate
 from pipeline.output.directory import SUMMARY_JSON, SUMMARY_PNG, OutputDir
+from pipeline.report.startup import render_split
 from pipeline.schema import key_strings
 
 _PACKAGES = ("orthrus-batch", "torch", "transformers", "ray", "pyarrow", "pydantic", "numpy")
@@ -255,6 +256,7 @@ def render_table(summary: dict, where: str) -> str:
         f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s until the first batch reached an actor, then "
         f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s = {_fmt(run.get('steady_rows_per_second'), '.1f')} "
         f"rows/s; {_slots(run, spec)}",
+        *render_split(run.get("startup")),
         _cycles_line(tpc, spec.get("rows_ended_at_prefill") or 0),
     ]
     if spec["draft_tokens"]:     # none when every row ended at its prefill (or decoded in AR mode)

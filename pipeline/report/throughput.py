@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.report.startup import DriverClock, earliest, startup_split
 
 
 class ThroughputTracker:
@@ -30,6 +31,8 @@ class ThroughputTracker:
         # and last arrival, latest end), not every call: the driver's memory grows with actors, not batches
         self._occupancy: dict[str, list[dict]] = defaultdict(list)
         self._engine_ms: dict[str, tuple[int, int]] = {}
+        self._first_actor: dict | None = None            # the constructor times of the actor that got the first batch
+        self._first_input: dict | None = None            # the first prepared rows' read and prepare times
 
     def add(self, block: pa.Table) -> None:
         """Account the batch records of one block (the records ride on each batch's first row)."""
@@ -47,8 +50,9 @@ class ThroughputTracker:
             self.gpu_ids[actor] = r["gpu_ids"]
             self.seconds[actor] += r["seconds"]
             self._keep(actor, r["occupancy"])
-            if r["started"] is not None:
-                self._first_call = r["started"] if self._first_call is None else min(self._first_call, r["started"])
+            if r["started"] is not None and (self._first_call is None or r["started"] < self._first_call):
+                self._first_call, self._first_actor = r["started"], r.get("constructed")
+            self._first_input = earliest([self._first_input, r.get("input")], "prepare_end")
         self._last = time.time()
         if self._first is None:
             self._first = (self._last, self.total_tokens, self.total_rows)
@@ -75,6 +79,10 @@ class ThroughputTracker:
         if self._first_call is not None:
             return self._first_call - start
         return None if self._first is None else self._first[0] - start
+
+    def startup(self, clock: DriverClock | None) -> dict[str, float | None]:
+        """The start-up split (``report/startup.py``) from the driver's moments and the batch records'."""
+        return startup_split(clock, self._first_actor, self._first_input, self._first_call)
 
     def steady_tokens_per_second(self) -> float | None:
         """Tokens/s from the moment an actor got its first batch to the last block: the rate a long

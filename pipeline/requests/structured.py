@@ -22,7 +22,7 @@ import functools
 import json
 from typing import Any
 
-from orthrus import Constraint, ConstraintError, check_structured
+from orthrus import Constraint, ConstraintError
 from orthrus.constraints import parse_constraint
 from pipeline.requests.errors import RowError
 
@@ -151,6 +151,8 @@ def from_sampling_params(d: dict[str, Any]) -> tuple[Constraint | None, str | No
 @functools.lru_cache(maxsize=4096)
 def _compiles(tokenizer, c: Constraint) -> str | None:
     """Why ``c`` does not compile (``"does not compile: ..."``), or None."""
+    from orthrus import check_structured    # the grammar compiler (and torch): only for rows with a constraint
+
     try:
         check_structured(tokenizer, c)
     except ConstraintError as e:     # refused: does not compile, exceeds a limit, admits no value

@@ -31,6 +31,7 @@ from pipeline.run.resources import check_engine_placement, resolve_placement
 from pipeline.schema import output_schema
 from pipeline.storage.uris import is_remote, local_path, locate
 from pipeline.actor.stage import GenerationStage
+from pipeline.report.startup import DriverClock
 from pipeline.report.summary import render_table, summarize
 from pipeline.report.throughput import ThroughputTracker
 
@@ -59,6 +60,8 @@ def take_lease(out: OutputDir) -> Lease:
 def _check_structured(config: JobConfig, tokenizer) -> None:
     """Compile ``sampling.structured`` for the model's tokenizer: a schema, pattern or grammar that
     does not compile fails the job now (exit 2), not as every row's error after the model loads."""
+    if config.sampling.structured is None:   # nothing to compile: the compiler's imports are not needed
+        return
     from orthrus import check_structured
 
     try:
@@ -109,13 +112,15 @@ def preflight(config: JobConfig) -> Prepared:
     return Prepared(config, inputs, out, sources, output_format)
 
 
-def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement) -> dict:
+def _throughput(tracker: ThroughputTracker, start: float, wall: float, placement,
+                clock: DriverClock | None = None) -> dict:
     """The run's rows, tokens, rates, occupancy, placement, actors and cost (``summary.json["run"]``)."""
     occupancy = tracker.slot_occupancy()
     return {
         "rows_generated": tracker.total_rows, "completion_tokens": tracker.total_tokens,
         "tokens_per_second": tracker.total_tokens / wall if wall else None,
         "startup_seconds": tracker.startup_seconds(start),
+        "startup": tracker.startup(clock),
         "steady_tokens_per_second": tracker.steady_tokens_per_second(),
         "steady_rows_per_second": tracker.steady_rows_per_second(),
         "slot_occupancy": occupancy["until_input_ran_out"], "slot_occupancy_whole_run": occupancy["whole_run"],
@@ -207,8 +212,10 @@ def _pending(config: JobConfig, inputs: InputPlan, out: OutputDir) -> tuple[dict
 
 
 def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
-        echo: Callable[[str], None] = print) -> dict:
-    """Run the dataset (Ray must be initialised), commit every block, write and return the summary."""
+        echo: Callable[[str], None] = print, clock: DriverClock | None = None) -> dict:
+    """Run the dataset (Ray must be initialised), commit every block, write and return the summary.
+
+    ``clock``: when the process and ``ray.init`` started (the summary's start-up split)."""
     import ray
 
     start = time.time()
@@ -233,6 +240,9 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orthrus-ids")
     try:
         ids_checked = checker.submit(check_ids, inputs)
+        # No more work for it: its thread ends with the check. An idle pool thread lives until shutdown,
+        # and the commit loop waits (10 s, bounded) for every "orthrus-ids" thread before Ray may stop.
+        checker.shutdown(wait=False)
         loop = _loop(config, inputs, out, tracker, progress, ids_checked)
         dataset = build_dataset(config, inputs, pending, placement, stage_cls) if pending else None
         blocks = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if dataset is not None else ()
@@ -251,7 +261,7 @@ def run(prepared: Prepared, mode: str, stage_cls: type = GenerationStage,
     run_info = {"run_id": out.run_id, "mode": mode, "wall_seconds": round(wall, 3), "input_rows": inputs.num_rows,
                 "samples_per_row": config.sampling.n, "rows_expected": expected,
                 "stopped_by": "max_wall_seconds" if stopped else None, "rows_skipped_as_finished": finished,
-                "parts_committed": out.committed, **_throughput(tracker, start, wall, placement)}
+                "parts_committed": out.committed, **_throughput(tracker, start, wall, placement, clock)}
     summary = summarize(out, run_info, config.model_dump(mode="json"))
     echo(render_table(summary, str(out.root)))
     _export(prepared, summary, echo)

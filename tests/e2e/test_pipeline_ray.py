@@ -20,6 +20,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from pipeline.report.startup import CHAIN, INPUT_SIDE
 from pipeline.schema import output_schema
 from support.job_inputs import MSG_TYPE, write_parquet
 from support.paths import REPO
@@ -200,8 +201,10 @@ def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthr
     assert 0 < len(done) < 48, f"the run was not killed mid-way ({len(done)} rows committed)"
 
     # Second run: --resume on an embedded local Ray (no cluster address): one CPU actor.
+    began = time.time()
     proc = subprocess.run([*cmd, "--resume"], cwd=REPO, env=base_env(), capture_output=True, text=True,
                           timeout=300)
+    wall = time.time() - began
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "took over the stale lease of run" in proc.stdout              # the killed driver's lease
     after = part_digests(out)
@@ -214,6 +217,13 @@ def test_resume_after_killed_run_is_complete_without_duplicates(head, tiny_orthr
         ("local", len(done), 48 - len(done))
     assert summary["placement"] == {"replicas": 1, "gpus_per_replica": 0.0, "cpus_per_replica": 1.0}
     assert summary["startup_seconds"] > 0
+    # The start-up split: every phase known and >= 0; the actor's chain adds up to its total (within
+    # rounding), which lies within the command's wall time; the input side ran beside that chain.
+    split = summary["startup"]
+    assert all(isinstance(split[k], (int, float)) and split[k] >= 0 for k in (*CHAIN, *INPUT_SIDE, "total_s")), split
+    assert sum(split[k] for k in CHAIN) - 0.01 <= split["total_s"] <= wall
+    assert sum(split[k] for k in INPUT_SIDE) <= split["total_s"] - split["before_ray_s"] - split["ray_start_s"] + 0.01
+    assert "start-up split before Ray" in proc.stdout
     assert summary["complete"] and not list((out / "_tmp").glob("*.inprogress"))
 
 
