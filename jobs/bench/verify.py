@@ -7,7 +7,7 @@ The bundled model's held-out prompts (repeated to ``B`` rows), greedy, ``--max-n
 forced speculation with its block size K, float32. Arms, interleaved (``--reps`` rounds after a
 warm-up, rotating order): ``ar`` (our AR mode), ``full`` (``adaptive_verify=False``: every draft),
 ``adaptive`` (the engine's default: the verify policy picks the budget from measured step costs)
-and ``eighths_4/2/1`` (the budget pinned to 4/8, 2/8, 1/8 of the drafts, ``orthrus.testing.pinned``):
+and ``eighths_4/3/2/1`` (the budget pinned to 4/8 … 1/8 of the drafts, ``orthrus.testing.pinned``):
 the trade-off the policy chooses on. Reported per arm: tokens/s (median), its pair ratio to ``full``
 and to ``ar`` (same round), tokens per cycle, verified ÷ accepted drafts, forward token positions
 per generated token, and for ``adaptive`` the budgets its policy chose. Completions must equal AR's.
@@ -22,7 +22,7 @@ from orthrus import OrthrusEngine, SamplingParams
 from orthrus.metrics import tokens_per_cycle
 from orthrus.testing.pinned import pin
 
-PINNED = (4, 2, 1)
+PINNED = (4, 3, 2, 1)
 
 
 def run_arm(engine: OrthrusEngine, prompts: list[list[int]], max_new: int, speculative: bool) -> dict:

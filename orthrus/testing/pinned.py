@@ -11,7 +11,7 @@ from orthrus.engine.host.policy import SpeculationPolicy, VerifyPolicy, halving_
 
 
 class PinnedVerify(VerifyPolicy):
-    """Always verifies ``eighths`` of a cycle's drafts."""
+    """Always verifies ``eighths`` (1-8) eighths of a cycle's drafts."""
 
     def __init__(self, eighths: int) -> None:
         super().__init__()
@@ -19,7 +19,7 @@ class PinnedVerify(VerifyPolicy):
 
     def choose(self, occupancy: int) -> int:
         """The pinned arm, counted like a choice."""
-        self.chosen[self.pinned] += 1
+        self.chosen[self.pinned] = self.chosen.get(self.pinned, 0) + 1   # any share, not only the arms
         return self.pinned
 
 
