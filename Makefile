@@ -29,10 +29,11 @@ qwen3-tokenizer-or-warn:
 # keeps a module on one worker, so its module-scoped Ray head starts once; each head has its own
 # ports and temp dir (tests/support/ray_head.py). --no-loadscope-reorder hands modules out in
 # collection order, which tests/conftest.py sets: the e2e modules first (the longest work), the
-# modules with an in-process Ray cluster last in every worker.
+# modules with an in-process Ray cluster last in every worker. --durations: the 25 slowest tests, to keep
+# the suite's time in view.
 TEST_WORKERS ?= 2
 test: $(STAMP) qwen3-tokenizer-or-warn
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The fast tiers (unit + engine, no slow marks): the edit-test loop, under a minute. Two xdist
 # workers (this project's machines have 2 cores): 37 s instead of 74 s; the tests share no state.

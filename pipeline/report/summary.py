@@ -253,7 +253,7 @@ def render_table(summary: dict, where: str) -> str:
         f"  this run       {run['rows_generated']} rows, {run['completion_tokens']:,} tokens in "
         f"{run['wall_seconds']:.1f} s = {_fmt(run['tokens_per_second'], '.1f')} tok/s "
         f"({run['rows_skipped_as_finished']} rows already done)",
-        f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s until the first batch reached an actor, then "
+        f"  startup        {_fmt(run.get('startup_seconds'), '.1f')} s from the run's start (Ray up) to the first batch at an actor, then "
         f"{_fmt(run.get('steady_tokens_per_second'), '.1f')} tok/s = {_fmt(run.get('steady_rows_per_second'), '.1f')} "
         f"rows/s; {_slots(run, spec)}",
         *render_split(run.get("startup")),
