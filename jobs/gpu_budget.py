@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import traceback
@@ -22,6 +23,24 @@ def guard(fn: Callable[[], object]) -> object:
     except Exception as err:
         return f"error: {type(err).__name__}: {err}"
 
+
+
+STAMP = Path(__file__).resolve().parents[1] / "GPU_CHECK_COMMIT"   # the commit, for a tree without .git
+
+
+def commit() -> str | None:
+    """The commit this tree is: ``git rev-parse HEAD`` (with "+dirty" for uncommitted changes), else
+    the stamp ``--dry-run`` wrote (None: neither)."""
+    root = STAMP.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return STAMP.read_text().strip() if STAMP.exists() else None
 
 
 class BudgetExhausted(BaseException):

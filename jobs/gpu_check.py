@@ -3,6 +3,12 @@
     python3 -m jobs.gpu_check --out "$OUT"                   # budget 480 s (--budget-s)
     python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/engine/test_gpu_check.py)
     python3 -m jobs.gpu_check --only fp32_graphs_vs_eager,sync_debug --out "$OUT"   # a rerun of some steps
+    python3 -m jobs.gpu_check --dry-run                      # here, before the run: the plan and its
+                                                             # estimated seconds; stamps the commit
+
+The report records the commit it ran: ``git rev-parse HEAD`` where the tree has its git directory,
+else the stamp ``--dry-run`` wrote into the tree (``GPU_CHECK_COMMIT``; the device machine gets
+a copy of the working tree without ``.git``).
 
 Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench.speed`` only: nothing from ``pipeline``
 (pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with the reason,
@@ -24,6 +30,7 @@ a run stopped early still returns what it measured; bench steps also write ``ben
 | bench_b1                   | orthrus, ar; rows = B, 64 new tokens, 2 reps + a warm-up      | 30           |
 | bench_b8 / b32 / b128      | orthrus, auto, ar, hf (transformers ``generate``)             | 40 / 45 / 70 |
 | bench_eager_b1 / b8        | eager SDPA (no CUDA graphs), orthrus and ar: the baseline     | 30 / 30      |
+| bench_verify               | a K = 8 cycle at B = 64, 128: every draft vs 3/8, 2/8 (pinned) | 60           |
 | bench_plot                 | ``bench-cuda.png``                                            |  5           |
 
 Measured on the H200 (2026-12-04, ``gpu-check/``): the whole run took 239 s without flash-attn (the
@@ -47,7 +54,8 @@ from transformers import AutoTokenizer
 
 from jobs.bench import common
 from jobs.bench import speed as bench
-from jobs.gpu_budget import Budget, Step, guard, write_json
+from jobs.bench import verify as verify_bench
+from jobs.gpu_budget import STAMP, Budget, Step, commit, guard, write_json
 from jobs.prompt_ids import load_prompt_ids
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.testing.host_syncs import count_host_reads
@@ -59,7 +67,7 @@ SIZES = {"cuda": {"n": 24, "max_new": 64, "batch_sizes": (1, 8, 32, 128), "bench
 ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "paged_preemption": 20, "bf16_speculative_vs_ar": 15,
               "bf16_flash_graphs_vs_eager": 20, "sync_debug": 10, "bench_model": 40, "bench_forward_profile": 20,
               "bench_b1": 30, "bench_b8": 40, "bench_b32": 45, "bench_b128": 70,
-              "bench_eager_b1": 30, "bench_eager_b8": 30, "bench_plot": 5}
+              "bench_eager_b1": 30, "bench_eager_b8": 30, "bench_verify": 60, "bench_plot": 5}
 # The engine's SDPA calls in the bench's shape (H = 16, Hk = 8, D = 128) as (rows, queries, keys),
 # always masked with grouped KV heads: eager keys rounded up to 128s, static ones the whole capacity.
 SDPA_SHAPES = {"ar_step_b8": (8, 1, 256), "cycle_b8": (8, 32, 384), "cycle_b128": (128, 32, 384),
@@ -288,6 +296,16 @@ class Check(Budget):
         self._save_bench()
         return cells
 
+    def bench_verify(self) -> dict:
+        """A cycle's cost verifying every draft vs a pinned budget (``jobs/bench/verify.py``)."""
+        cuda = self.device.type == "cuda"
+        costs = verify_bench.cycle_costs(self.bench["model"], self.bench["prompts"], [64, 128] if cuda else [2],
+                                         8 if cuda else self.bench["model"].block_size, 32 if cuda else 4,
+                                         self.sizes["reps"])
+        self.bench["report"]["verify_budget"] = costs
+        self._save_bench()
+        return costs
+
     def bench_plot(self) -> dict:
         path = self.out / f"bench-{self.device.type}.png"
         bench.plot(self.bench["report"], str(path))
@@ -310,7 +328,23 @@ def _environment(device: torch.device) -> dict:
     return {"device": guard(lambda: torch.cuda.get_device_name(device)) if cuda else "cpu", "memory_gib": gib,
             "torch": torch.__version__, "transformers": transformers.__version__, "cuda_runtime": torch.version.cuda,
             "python": sys.version.split()[0], "sizes": SIZES[device.type],
-            "flash_attn": flash.unavailable_reason(device, torch.bfloat16) or "importable"}
+            "flash_attn": flash.unavailable_reason(device, torch.bfloat16) or "importable", "commit": commit()}
+
+
+def dry_run(args: argparse.Namespace, stamp_path: Path = STAMP) -> None:
+    """Print the plan (each step, its estimate, their sum against the budget) and stamp the commit
+    at ``stamp_path`` (the tree's ``GPU_CHECK_COMMIT``: the device machine's copy has no ``.git``)."""
+    check = Check.__new__(Check)          # the steps' names only: no output directory, no report
+    check.args, check.device, check.sizes, check.bench = args, torch.device(args.device), SIZES[args.device], {}
+    names = [s.name for s in selected(steps(check), args.only) if s.why_not is None or s.why_not() != "not in --only"]
+    total = sum(ESTIMATE_S.get(n, 0) for n in names)
+    for n in names:
+        print(f"  {n:<28} {ESTIMATE_S.get(n, 0):>4} s", flush=True)
+    stamp = commit()
+    if stamp is not None:
+        stamp_path.write_text(stamp + "\n")
+    print(f"[gpu_check] plan: {len(names)} steps, about {total} s (budget {args.budget_s:.0f} s); commit {stamp}",
+          flush=True)
 
 
 def steps(check: Check) -> list[Step]:
@@ -336,6 +370,7 @@ def steps(check: Check) -> list[Step]:
            Step("bench_forward_profile", check.bench_forward_profile, has_model)]
     out += [Step(f"bench_b{b}", lambda b=b: check.bench_batch(b), has_model) for b in sizes["batch_sizes"]]
     out += [Step(f"bench_eager_b{b}", lambda b=b: check.bench_batch(b, eager=True), on_cuda) for b in (1, 8)]
+    out.append(Step("bench_verify", check.bench_verify, has_model))
     return out + [Step("bench_plot", check.bench_plot,
                        lambda: None if check.bench.get("report", {}).get("results") else "no bench results")]
 
@@ -352,6 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--only", default="",
                     help="comma-separated step names (a rerun of some steps); the others are recorded as skipped")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the steps and their estimated seconds, stamp the commit into the tree, run nothing")
     return ap.parse_args(argv)
 
 
@@ -368,6 +405,9 @@ def selected(all_steps: list[Step], only: str) -> list[Step]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("jobs.gpu_check: no CUDA device here; pass --device cpu for the smoke run")
     check = Check(args)

@@ -72,6 +72,35 @@ def bench_batch(b: int, args: argparse.Namespace, model, prompts: list[list[int]
     return cell
 
 
+def cycle_costs(model, prompts: list[list[int]], batch_sizes: list[int], block: int, max_new: int,
+                reps: int) -> dict:
+    """Seconds per cycle of forced speculation at ``block`` verifying every draft, 3/8 and 2/8 of
+    them (pinned), and per AR step, B rows through B slots, interleaved (``jobs.gpu_check``'s
+    ``bench_verify``: on random weights nothing is accepted, so only the costs mean anything)."""
+    out: dict = {}
+    for b in batch_sizes:
+        rows = [prompts[i % len(prompts)] for i in range(b)]
+        engines = {name: pin(OrthrusEngine(model, max_batch_size=b, block_size=block, max_seq_len=1024,
+                                           adaptive_verify=name != "full"), eighths)
+                   for name, eighths in (("full", None), ("eighths_3", 3), ("eighths_2", 2))}
+        engines["ar"] = OrthrusEngine(model, max_batch_size=b, block_size=block, max_seq_len=1024)
+
+        def timed(name: str) -> dict:
+            engine = engines[name]
+            before = engine.stats
+            seconds, _ = common.time_generate(engine, rows, SamplingParams(temperature=0.0, max_new_tokens=max_new),
+                                              name != "ar")
+            stats = engine.stats - before
+            return {"s_per_iteration": seconds / max(stats.iterations, 1),
+                    "forward_positions_per_iteration": stats.forward_token_slots / max(stats.iterations, 1)}
+        r = common.rounds({name: (lambda name=name: timed(name)) for name in engines}, reps)
+        cell = {name: {k: med(r.samples[name], k) for k in r.samples[name][0]} for name in engines}
+        for name in engines:
+            cell[name]["R_vs_ar_step"] = pair_ratio(r.samples[name], r.samples["ar"], "s_per_iteration")
+        out[f"B={b}"] = cell
+    return out
+
+
 def _line(b: int, name: str, c: dict) -> str:
     tpc, vpa = c["tokens_per_cycle"], c["verified_per_accepted"]
     return (f"B={b:<3} {name:<10} {c['tokens_per_s']:7.1f} tok/s  x{c['vs_full']:.2f} full  x{c['vs_ar']:.2f} AR  "

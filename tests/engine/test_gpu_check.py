@@ -98,6 +98,10 @@ def test_gpu_check_imports_and_runs_without_the_job_stack(tmp_path):
         gpu_check.bench.MODES)
     bench = json.loads((out / "bench-cpu.json").read_text())
     assert set(bench["results"]) == {"1", "2"} and set(bench["forward_ms"]) == {"1", "2"}
+    verify = steps["bench_verify"]["result"]["B=2"]      # a cycle's cost at every draft vs pinned budgets
+    assert set(verify) == {"full", "eighths_3", "eighths_2", "ar"} and bench["verify_budget"]["B=2"] == verify
+    assert verify["eighths_2"]["forward_positions_per_iteration"] < verify["full"]["forward_positions_per_iteration"]
+    assert report["commit"] == gpu_check.commit() and len(report["commit"].split("+")[0]) == 40
     assert (out / "bench-cpu.png").stat().st_size > 0 and not list(out.glob("*.tmp"))
 
 
@@ -143,3 +147,16 @@ def test_only_runs_the_named_steps_and_refuses_unknown_ones(tmp_path):
         assert "sync_debgu" in str(err)
     else:
         raise AssertionError("an unknown step name must be refused")
+
+
+def test_dry_run_prints_the_plan_and_stamps_the_commit(tmp_path, capsys):
+    stamp = tmp_path / "GPU_CHECK_COMMIT"
+    gpu_check.dry_run(gpu_check.parse_args(["--dry-run", "--only", "sync_debug,bench_verify"]), stamp)
+    out = capsys.readouterr().out
+    assert "sync_debug" in out and "bench_verify" in out and "fp32_graphs_vs_eager" not in out
+    assert "plan: 2 steps, about 70 s (budget 480 s)" in out
+    assert stamp.read_text().strip() == gpu_check.commit()
+    full = tmp_path / "full"
+    gpu_check.dry_run(gpu_check.parse_args(["--dry-run"]), full)
+    total = int(capsys.readouterr().out.split("about ")[1].split(" s")[0])
+    assert total == sum(gpu_check.ESTIMATE_S.values()) <= 480          # every step at CUDA's sizes, in budget
