@@ -27,9 +27,10 @@ import torch
 
 def confidences(q_logits: torch.Tensor) -> torch.Tensor:
     """The drafter's top probability at each draft, ``q_logits [b, K-1, V]`` → ``[b, K-1]`` float32
-    (before temperature and filters: one signal for greedy and sampled rows alike)."""
-    x = q_logits.float()
-    return (x.amax(-1) - x.logsumexp(-1)).exp()
+    (before temperature and filters: one signal for greedy and sampled rows alike). Reduced in the
+    logits' own dtype: a float32 copy of ``[b, K-1, V]`` would be GiBs at Qwen3's vocabulary, and the
+    signal only ranks drafts (any rounding moves speed, never tokens)."""
+    return (q_logits.amax(-1).float() - q_logits.logsumexp(-1).float()).exp()
 
 
 def widths(conf: torch.Tensor, useful: torch.Tensor, budget: int) -> torch.Tensor:
