@@ -9,6 +9,7 @@ updates them when a batch is done, from the rows it is about to return, tagged w
     orthrus_rows{status=ok|error}              rows returned (counter)
     orthrus_completion_tokens                  tokens generated (counter)
     orthrus_cycles, orthrus_draft_tokens,
+    orthrus_verified_draft_tokens,
     orthrus_accepted_draft_tokens              speculation counters (rates come from these)
     orthrus_tokens_per_cycle                   accepted drafts + 1 per cycle, this actor so far (gauge)
     orthrus_draft_acceptance                   accepted / proposed drafts, this actor so far (gauge)
@@ -55,6 +56,7 @@ class ActorMetrics:
         self.cycles = counter("orthrus_cycles", "Speculative cycles run (summed over rows).")
         self.drafts = counter("orthrus_draft_tokens", "Draft tokens proposed.")
         self.accepted = counter("orthrus_accepted_draft_tokens", "Draft tokens accepted.")
+        self.verified = counter("orthrus_verified_draft_tokens", "Draft tokens the verifier computed (its budget).")
         self.audit = counter("orthrus_audit_rows", "Rows re-decoded with plain AR by the lossless audit.", "result")
         self.tpc = gauge("orthrus_tokens_per_cycle", "Accepted drafts + 1 per cycle, this actor so far.")
         self.acceptance = gauge("orthrus_draft_acceptance", "Accepted / proposed draft tokens, this actor so far.")
@@ -79,8 +81,9 @@ class ActorMetrics:
         if table.num_rows > ok.num_rows:
             self.rows.inc(table.num_rows - ok.num_rows, tags={"status": "error"})
         batch = [column_sum(ok[name]) for name in ("num_cycles", "num_draft_tokens", "num_accepted_draft_tokens")]
-        for metric, value in zip((self.tokens, self.cycles, self.drafts, self.accepted),
-                                 (column_sum(ok["num_generated_tokens"]), *batch)):
+        for metric, value in zip((self.tokens, self.verified, self.cycles, self.drafts, self.accepted),
+                                 (column_sum(ok["num_generated_tokens"]), column_sum(ok["num_verified_draft_tokens"]),
+                                  *batch)):
             if value:
                 metric.inc(value)
         self._totals = [t + b for t, b in zip(self._totals, batch)]

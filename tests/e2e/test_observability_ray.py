@@ -129,6 +129,7 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     assert got["ray_orthrus_completion_tokens_total"][""] == tokens
     assert got["ray_orthrus_audit_rows_total"]["match"] == len(audited)
     assert got["ray_orthrus_accepted_draft_tokens_total"][""] == summary["speculation"]["accepted_draft_tokens"]
+    assert got["ray_orthrus_verified_draft_tokens_total"][""] == summary["speculation"]["verified_draft_tokens"]
     assert 1.0 <= got["ray_orthrus_tokens_per_cycle"][""] / 2 <= 8.0    # two actors' gauges, summed
     assert 0 < got["ray_orthrus_slot_occupancy"][""] <= 2.0
     assert got["ray_orthrus_prefill_tokens_total"][""] == computed
