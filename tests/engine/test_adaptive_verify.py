@@ -13,8 +13,9 @@ import torch
 
 from orthrus import OrthrusEngine, SamplingParams
 from orthrus.engine.device.verify_budget import VerifyLayout, widths
+from orthrus.model.backends import FlashKVCache
 from orthrus.testing.pinned import pin
-from support.oracles import chi2_pvalue, enumerate_ar
+from support.oracles import chi2_pvalue, enumerate_ar, reference_flash_attn_with_kvcache
 from support.tiny_models import hf_greedy, hf_twin, tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22, 23]]
@@ -106,3 +107,16 @@ def test_sampled_rows_verifying_a_budget_keep_the_ar_distribution():
     exact = enumerate_ar(model, PROMPT, PARAMS, EOS, lambda prefix, logits: logits)
     assert set(counts) <= set(exact), "sampled a sequence the processed AR model gives zero mass"
     assert chi2_pvalue(counts, exact, N) > 1e-3
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_flash_convention_and_static_shapes_with_a_budget(model, static):
+    """The budgeted verify forward through flash-attn's calling convention (a plain-torch stand-in
+    for ``flash_attn_with_kvcache``) and the padded static path: AR's tokens."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    want = OrthrusEngine(model, max_batch_size=3, speculative=False, attention="sdpa").generate(PROMPTS, params)
+    flash = FlashKVCache(reference_flash_attn_with_kvcache)
+    engine = pinned_engine(model, 2, True, max_batch_size=3, attention=flash, static_shapes=static)
+    got = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert 0 < engine.stats.verified_draft_tokens < sum(r.stats.num_draft_tokens for r in got)
