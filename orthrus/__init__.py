@@ -15,15 +15,17 @@ from orthrus.reasoning import ReasoningTokens
 # Loaded on first use: the engine and the model import torch and transformers' model code (seconds
 # of CPU), which a process that only builds requests or reads results never needs (the batch job's
 # read and tokenization tasks, its driver). ``from orthrus import OrthrusEngine`` works as before.
-_LAZY = {"OrthrusEngine": "orthrus.engine.engine", "OrthrusForCausalLM": "orthrus.model",
-         "check_structured": "orthrus.engine.host.grammar"}
+# Relative names: the package may be imported under another name (``jobs/bench/ab.py`` loads an
+# older copy beside this one), and each copy must load its own modules.
+_LAZY = {"OrthrusEngine": ".engine.engine", "OrthrusForCausalLM": ".model",
+         "check_structured": ".engine.host.grammar"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'orthrus' has no attribute {name!r}")
 
 
