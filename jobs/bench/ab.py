@@ -51,7 +51,8 @@ def load_before(ref: str, repo: Path = REPO, name: str = "orthrus_before"):
         t.extractall(root)
     (root / "orthrus").rename(root / name)
     for py in (root / name).rglob("*.py"):
-        py.write_text(_IMPORT.sub(rf"\1\2\3{name}", py.read_text()))
+        # import statements, and module names in strings (a lazy attribute's ``"orthrus.engine.engine"``)
+        py.write_text(_IMPORT.sub(rf"\1\2\3{name}", py.read_text()).replace('"orthrus.', f'"{name}.'))
     sys.path.insert(0, str(root))
     try:
         return importlib.import_module(name)
