@@ -10,7 +10,7 @@ The report records the commit it ran: ``git rev-parse HEAD`` where the tree has 
 else the stamp ``--dry-run`` wrote into the tree (``GPU_CHECK_COMMIT``; the device machine gets
 a copy of the working tree without ``.git``).
 
-Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench.speed`` only: nothing from ``pipeline``
+The exactness steps live in ``jobs/gpu_exactness.py``. Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench.speed`` only: nothing from ``pipeline``
 (pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with the reason,
 when the budget has less time left than its estimate or it cannot run here (CUDA only, no
 flash-attn); one that raises is recorded with its error and the next runs; a timer interrupts one
@@ -50,13 +50,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer
 
 from jobs.bench import common
 from jobs.bench import speed as bench
 from jobs.bench import verify as verify_bench
 from jobs.gpu_budget import STAMP, Budget, Step, commit, guard, write_json
-from jobs.prompt_ids import load_prompt_ids
+from jobs.gpu_exactness import (bf16_flash_graphs_vs_eager, bf16_speculative_vs_ar, fp32_graphs_vs_eager,
+                                load_prompts, paged_preemption)
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.testing.host_syncs import count_host_reads
 from orthrus.model import flash
@@ -72,102 +72,6 @@ ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "paged_preemption"
 # always masked with grouped KV heads: eager keys rounded up to 128s, static ones the whole capacity.
 SDPA_SHAPES = {"ar_step_b8": (8, 1, 256), "cycle_b8": (8, 32, 384), "cycle_b128": (128, 32, 384),
                "static_cycle_b8": (8, 32, 1056), "prefill_b8": (8, 200, 256)}
-
-
-def _prompts(model_dir: str, shards: str, n: int) -> list[list[int]]:
-    return load_prompt_ids(AutoTokenizer.from_pretrained(model_dir), shards, n=n)
-
-
-def _tokens(model, prompts, params, **engine_kwargs) -> tuple[list[list[int]], dict]:
-    """Token ids per prompt, and what the engine's CUDA graphs did (captured, failed to capture)."""
-    engine = OrthrusEngine(model, max_batch_size=8, max_seq_len=512, **engine_kwargs)
-    warm = params if isinstance(params, SamplingParams) else params[:8]
-    engine.generate(prompts[:8], warm)                      # warm-up: captures the graphs
-    tokens = [r.token_ids for r in engine.generate(prompts, params)]
-    graphs = engine.runner.graphs
-    return tokens, {"captured": len(graphs.graphs), "eager_only": len(graphs.eager_only),
-                    "capture_failures": list(getattr(graphs, "capture_failures", ["(not recorded)"]))}
-
-
-def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
-    """Share of identical rows, and where the first differing row departs. On a GPU, float32 is
-    not bit-stable across batch shapes (cuBLAS picks kernels by shape), so a rare late
-    divergence is expected; an early one in most rows is a bug."""
-    diverge = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-               for a, b in zip(got, want) if a != b]
-    return {"rows_equal": sum(a == b for a, b in zip(got, want)) / len(want),
-            "first_divergence_at_token": min(diverge) if diverge else None}
-
-
-def fp32_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> dict:
-    """Static shapes replayed from CUDA graphs vs eager SDPA, float32, greedy and seeded sampling
-    (on a CPU the static path runs without capture)."""
-    model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
-    report, graphs = {}, {}
-    for name, params in (("greedy", SamplingParams(temperature=0.0, max_new_tokens=max_new)),
-                         ("sampled", [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=max_new, seed=i)
-                                      for i in range(len(prompts))])):
-        eager, _ = _tokens(model, prompts, params, attention="sdpa", static_shapes=False)
-        got, graphs[name] = _tokens(model, prompts, params, attention="sdpa", static_shapes=True)  # forced
-        report[f"fp32_{name}_graphs_vs_eager"] = _agreement(got, eager)
-    return {**report, "cuda_graphs": graphs}
-
-
-def paged_preemption(model_dir: str, prompts, device: str, max_new: int) -> dict:
-    """The paged KV cache under pressure, float32 with graphs: a pool of one row at full length plus
-    a page, so rows are preempted and their K/V recomputed, vs the default pool (every slot at full
-    length), greedy and seeded sampling; rows equal, and how many preemptions it took."""
-    model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
-    max_seq_len = max(map(len, prompts)) + max_new + 1
-    report = {}
-    for name, params in (("greedy", SamplingParams(temperature=0.0, max_new_tokens=max_new, min_tokens=max_new)),
-                         ("sampled", [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=max_new,
-                                                     min_tokens=max_new, seed=i) for i in range(len(prompts))])):
-        outs = {}
-        for pool in ("roomy", "tight"):
-            engine = OrthrusEngine(model, max_batch_size=8, max_seq_len=max_seq_len, attention="sdpa",
-                                   static_shapes=True, kv_cache_tokens=None if pool == "roomy" else
-                                   -(-(max_seq_len + model.block_size) // 16) * 16 + 16)
-            outs[pool] = ([r.token_ids for r in engine.generate(prompts, params)], engine.stats, engine.kv_pages)
-        report[f"fp32_{name}_tight_vs_roomy"] = _agreement(outs["tight"][0], outs["roomy"][0])
-        report[f"{name}_preemptions"] = outs["tight"][1].preemptions
-        report[f"{name}_recomputed_tokens"] = outs["tight"][1].recomputed_tokens
-        report[f"{name}_tight_pages"] = {"total": outs["tight"][2].total, "peak": outs["tight"][2].peak}
-    return report
-
-
-def _bf16_greedy(model_dir: str, prompts, device: str, max_new: int, got: dict, want: dict) -> tuple[dict, dict]:
-    """Greedy bf16 tokens of engines built with ``got`` vs ``want``: their agreement, got's graphs."""
-    half = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device=device)
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    tokens, graphs = _tokens(half, prompts, params, **got)
-    return _agreement(tokens, _tokens(half, prompts, params, **want)[0]), graphs
-
-
-def bf16_speculative_vs_ar(model_dir: str, prompts, device: str, max_new: int) -> dict:
-    """What the job's lossless audit (audit.fraction) reports on a bf16 run: speculative vs plain AR."""
-    agree, _ = _bf16_greedy(model_dir, prompts, device, max_new, {"attention": "sdpa", "speculative": True},
-                            {"attention": "sdpa", "speculative": False})
-    return {"bf16_greedy_speculative_vs_ar": agree}
-
-
-def bf16_flash_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> dict:
-    """Flash + graphs vs eager SDPA in bf16: the share of identical rows (bf16 reductions of
-    different shapes may flip near-ties; docs/design.md §2.3, §4.4)."""
-    why_not = flash.unavailable_reason(torch.device(device), torch.bfloat16)
-    if why_not:
-        return {"flash": f"not run: {why_not}"}
-    agree, graphs = _bf16_greedy(model_dir, prompts, device, max_new, {"attention": "flash", "static_shapes": True},
-                                 {"attention": "sdpa", "static_shapes": False})
-    return {"bf16_greedy_flash_graphs_vs_eager": agree, "flash_cuda_graphs": graphs}
-
-
-def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, max_new: int = 64) -> dict:
-    """The three exactness checks above in one call, on ``n`` held-out prompts."""
-    prompts = _prompts(model_dir, shards, n)
-    return {**fp32_graphs_vs_eager(model_dir, prompts, device, max_new),
-            **bf16_speculative_vs_ar(model_dir, prompts, device, max_new),
-            **bf16_flash_graphs_vs_eager(model_dir, prompts, device, max_new)}
 
 
 def _sdpa_choice(device: torch.device, dtype: torch.dtype, b: int, t: int, keys: int) -> dict:
@@ -255,7 +159,7 @@ class Check(Budget):
 
     @cached_property
     def prompts(self) -> list[list[int]]:
-        return _prompts(self.args.model, self.args.prompts, self.sizes["n"])
+        return load_prompts(self.args.model, self.args.prompts, self.sizes["n"])
 
     def bench_args(self, eager: bool = False) -> argparse.Namespace:
         """The trimmed bench: rows = B (one wave), few repetitions; eager SDPA (no graphs) if asked."""

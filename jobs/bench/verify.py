@@ -64,7 +64,7 @@ def bench_batch(b: int, args: argparse.Namespace, model, prompts: list[list[int]
                       **{k: s[-1][k] for k in ("tokens_per_cycle", "verified_per_accepted",
                                                 "verified_drafts_per_cycle_row", "forward_positions_per_token")}}
     chosen: dict[str, int] = {}
-    for policy in engines["adaptive"].scheduler.verify_policies.values():   # one per block size run
+    for policy in engines["adaptive"].scheduler.speculation.verify_policies.values():   # one per block size run
         for arm, n in policy.chosen.items():
             chosen[str(arm)] = chosen.get(str(arm), 0) + n
     cell["adaptive"]["chosen_eighths"] = chosen

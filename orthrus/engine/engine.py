@@ -232,12 +232,12 @@ class OrthrusEngine:
         plist = self._validate(prompts, params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
-        self.scheduler.mode = mode
+        self.scheduler.speculation.mode = mode
         try:
             while self.has_unfinished_requests():
                 done.update((o.request_id, o) for o in self.step())
         finally:
-            self.scheduler.mode = self.speculative
+            self.scheduler.speculation.mode = self.speculative
         return [done[i] for i in ids]
 
     def _validate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

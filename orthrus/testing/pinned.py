@@ -35,7 +35,7 @@ def pin(engine: OrthrusEngine, eighths: int | None, speculate: bool = False) -> 
     """Pin ``engine``'s verify budget to ``eighths`` of the drafts (None: leave its policy) and, with
     ``speculate``, its "auto" mode to full-block cycles → the engine."""
     if eighths is not None:
-        engine.scheduler.verify_policies = {k: PinnedVerify(eighths) for k in range(2, engine.block_size + 1)}
+        engine.scheduler.speculation.verify_policies = {k: PinnedVerify(eighths) for k in range(2, engine.block_size + 1)}
     if speculate:
-        engine.scheduler.policy = AlwaysSpeculate(halving_block_sizes(engine.block_size))
+        engine.scheduler.speculation.policy = AlwaysSpeculate(halving_block_sizes(engine.block_size))
     return engine

@@ -79,7 +79,7 @@ def test_auto_speculation_is_exact_and_reports_both_kinds_of_iteration(model):
     engine = OrthrusEngine(model, max_batch_size=3)
     params = SamplingParams(max_new_tokens=40)
     auto = engine.generate(PROMPTS, params, speculative="auto")
-    policy = engine.scheduler.policy
+    policy = engine.scheduler.speculation.policy
     ar = engine.generate(PROMPTS, params, speculative=False)
     assert [r.token_ids for r in auto] == [r.token_ids for r in ar]
     assert policy.arms == (AR, 4, 2) and all(n > 0 for n in policy.chosen.values())   # every arm measured

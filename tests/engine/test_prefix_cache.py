@@ -61,7 +61,7 @@ def _run(model, prompts, params, **kw):
     # every draft verified: under "auto" a sampled row's verify budget follows measured times too
     engine = OrthrusEngine(model, adaptive_verify=False, **kw)
     if kw.get("speculative") == "auto":
-        engine.scheduler.policy = FixedCostPolicy(halving_block_sizes(engine.block_size))
+        engine.scheduler.speculation.policy = FixedCostPolicy(halving_block_sizes(engine.block_size))
     return engine, [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
 
 
@@ -77,8 +77,8 @@ def test_shared_prefix_tokens_equal_no_cache(model, speculative, temperature):
     plain, want = _run(model, prompts, params, max_batch_size=4, speculative=speculative, prefix_cache=False)
     assert got == want
     if speculative == "auto":     # it did switch: AR steps and cycles both ran
-        assert cached.scheduler.policy.chosen == plain.scheduler.policy.chosen and cached.scheduler.policy.chosen[AR] > 0
-        assert sum(cached.scheduler.policy.chosen.values()) > cached.scheduler.policy.chosen[AR]
+        assert cached.scheduler.speculation.policy.chosen == plain.scheduler.speculation.policy.chosen and cached.scheduler.speculation.policy.chosen[AR] > 0
+        assert sum(cached.scheduler.speculation.policy.chosen.values()) > cached.scheduler.speculation.policy.chosen[AR]
     rest = sum(len(p) - len(PREFIX) for p in prompts)
     assert plain.stats.prefill_tokens == sum(len(p) for p in prompts) and plain.stats.prefix_cache_hit_tokens == 0
     # the prefix is computed once; each row computes its own part (plus at most one block's leftover)

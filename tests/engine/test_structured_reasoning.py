@@ -93,7 +93,7 @@ def _run(engine: OrthrusEngine, prompts, params, speculative) -> tuple[list, lis
     """Step the engine by hand → the outputs in order, and each row's generated count after each step
     (the boundaries of its emitted blocks)."""
     ids = [engine.add_request(p, sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
-    engine.scheduler.policy = engine.scheduler.policy   # the mode is the engine's (built per test)
+    engine.scheduler.speculation.policy = engine.scheduler.speculation.policy   # the mode is the engine's (built per test)
     counts: list[list[int]] = [[] for _ in ids]
     done = {}
     while engine.has_unfinished_requests():

@@ -19,14 +19,14 @@ import numpy as np
 from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, attention_groups, slot_params
 from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.engine.host.pages import PagePool
-from orthrus.engine.host.policy import SpeculationPolicy, VerifyPolicy, halving_block_sizes
 from orthrus.engine.host.prefilling import Prefilling
 from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex, block_hashes
 from orthrus.engine.host.requests import Request
 from orthrus.engine.host.slot_table import Recorded, SlotTable
+from orthrus.engine.host.speculation import Speculation
 from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
 from orthrus.engine.outputs import EngineStats, FinishReason, RequestOutput
-from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, SamplingPaths, ScheduledStep, StepOutput
+from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.params import RowStats
 
 
@@ -48,13 +48,8 @@ class Scheduler:
         self.num_slots, self.block_size, self.max_seq_len, self.vocab_size = num_slots, block_size, max_seq_len, vocab_size
         self.capacity = max_seq_len + block_size
         self.eos_token_ids, self.grammars, self.stops = eos_token_ids, grammars, stops
-        self.mode: bool | str = mode
-        # The policy outlives requests: costs are a property of this engine on this device,
-        # acceptance of this model on this workload.
-        self.policy: SpeculationPolicy | None = None     # created by the first "auto" step
-        # A cycle's verify budget, per block size (adaptive_verify; _choose_verify says where).
-        self.adaptive_verify = adaptive_verify
-        self.verify_policies: dict[int, VerifyPolicy] = {}
+        # The block size and verify share of each iteration, and the policies that choose them.
+        self.speculation = Speculation(block_size, mode, adaptive_verify)
         # The prefix cache (prefix_cache.py): whole prompt pages by hash, running slots by prompt.
         self.page_index = PageIndex(page_size) if prefix_cache else None
         self.prefix_index = PrefixIndex(page_size) if prefix_cache else None
@@ -180,36 +175,12 @@ class Scheduler:
     def _iteration(self, live: np.ndarray) -> Iteration:
         """One cycle or AR step over the ``live`` rows."""
         remaining = int(self.table.remaining(live).max())      # the most tokens any of them may still take
-        chosen, paths = self._choose_block(len(live)), self.table.paths(live)
-        # A block longer than any row can still accept is wasted work. Capping it changes a sampled
-        # row's random draws (the draft block's length is part of them), so a seeded row would
-        # depend on its batch-mates' budgets; greedy rows are the same tokens at any block size,
-        # and "auto" already picks the size by occupancy.
-        block = _cap_block(chosen, remaining) if paths.all_greedy or self.mode == "auto" else chosen
-        constrained = self.grammars.any(live)
-        eighths = self._choose_verify(block, len(live), paths, constrained)
-        return Iteration(block, live, self.table.kv_len(live), paths,
+        paths, constrained = self.table.paths(live), self.grammars.any(live)
+        choice = self.speculation.choose(len(live), remaining, paths, constrained)
+        return Iteration(choice.block, live, self.table.kv_len(live), paths,
                          first_masks=self.grammars.first[live] if constrained else None,
-                         grammar=self.grammars if constrained else None,
-                         arm=chosen if self.mode == "auto" and block == chosen else None,   # a capped block measures no arm
-                         verify_eighths=eighths)
-
-    def _choose_verify(self, block: int, occupancy: int, paths: SamplingPaths, constrained: bool) -> int | None:
-        """A cycle's verify budget in eighths of its drafts (the verify policy's choice), or None:
-        every draft. Like the block size, the budget is part of a sampled row's draws, and it is
-        chosen from measured times: so it adapts only where output cannot depend on it (every row
-        greedy) or already does ("auto"). A constrained cycle verifies every draft."""
-        if not self.adaptive_verify or block == AR or constrained or not (paths.all_greedy or self.mode == "auto"):
-            return None
-        return self.verify_policies.setdefault(block, VerifyPolicy()).choose(occupancy)
-
-    def _choose_block(self, occupancy: int) -> int:
-        """This iteration's block size by the mode: K, AR, or the "auto" policy's choice."""
-        if self.mode != "auto":
-            return self.block_size if self.mode else AR
-        if self.policy is None:
-            self.policy = SpeculationPolicy(halving_block_sizes(self.block_size))
-        return self.policy.choose(occupancy)
+                         grammar=self.grammars if constrained else None, arm=choice.arm,
+                         verify_eighths=choice.verify_eighths)
 
     def _make_room(self) -> None:
         """Every running row gets pages for its committed length plus one block (what this step may
@@ -338,10 +309,7 @@ class Scheduler:
             # a step whose forward also computed prompt chunks times more than the arm: acceptance only
             chunked = step.prefill is not None and bool(step.prefill.groups)
             seconds = None if chunked else time.perf_counter() - out.started
-            if it.arm is not None:
-                self.policy.observe(it.arm, len(it.slots), seconds, rec.tokens, rec.live)
-            if it.verify_eighths is not None:
-                self.verify_policies[it.block].observe(it.verify_eighths, len(it.slots), seconds, rec.tokens, rec.live)
+            self.speculation.observe(it, seconds, rec)
         ended = dict(zip(rec.finished.tolist(), rec.reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(rows)
         failed = self.grammars.take_failed()      # rows whose own grammar failed: they end in error
@@ -364,7 +332,7 @@ class Scheduler:
             worked = len(set(it.slots.tolist()) | {c.slot for g in step.prefill.groups for c in g})
         return EngineStats(iterations=1, busy_slot_iterations=worked, page_iterations=self.pool.in_use,
                            forward_token_slots=slots, prefill_token_slots=out.prefill_slots, read_steps=1,
-                           verified_draft_tokens=rec.verified, accepted_draft_tokens=rec.accepted)
+                           verified_draft_tokens=rec.verified, accepted_draft_tokens=rec.tokens - rec.live)
 
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
@@ -399,10 +367,3 @@ class Scheduler:
         text = self.stops.completion(tokens, stop_reason is not None) if self.stops is not None else None
         return req.output(tokens, reason, stop_reason, rel.stats, text, lp, error=error)
 
-
-def _cap_block(block: int, remaining: int) -> int:
-    """A block never longer than the rows can still accept: a cycle of K emits at most K tokens, so
-    with at most ``remaining`` left anywhere K shrinks to it (an AR step when one token is left)."""
-    if block == AR or remaining >= block:
-        return block
-    return remaining if remaining >= 2 else AR

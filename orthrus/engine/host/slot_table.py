@@ -23,15 +23,14 @@ from orthrus.params import RowStats
 @dataclass(frozen=True)
 class Recorded:
     """What one iteration did, from the host's book: the slots that finished in it and their
-    ``FinishReason`` codes, tokens produced by its live rows (sum of L + 1), how many rows were
-    live, and the drafts they verified and accepted."""
+    ``FinishReason`` codes, tokens produced by its live rows (sum of L + 1: the accepted drafts are
+    ``tokens - live``), how many rows were live, and the drafts they verified."""
 
     finished: np.ndarray
     reasons: np.ndarray
     tokens: int
     live: int
     verified: int = 0
-    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,9 +162,9 @@ class SlotTable:
         self.thinking_cycles[slots] += thinking
         self.thinking_accepted[slots] += out.n_acc * thinking
         np.add.at(self.hist, (slots[live], out.n_acc[live]), 1)
-        accepted = int(out.n_acc[live].sum())
-        return Recorded(slots[ended], out.reason[ended], accepted + int(live.sum()), int(live.sum()),
-                        int(out.n_ver[live].sum()), accepted)
+        n_live = int(live.sum())
+        return Recorded(slots[ended], out.reason[ended], int(out.n_acc[live].sum()) + n_live, n_live,
+                        int(out.n_ver[live].sum()))
 
     def generated(self, slot: int) -> np.ndarray:
         """The slot's generated tokens so far (a view)."""
