@@ -15,6 +15,8 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything above is a typo, not a request
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-30
 MAX_LOGPROBS = 20   # most top log-probabilities a row may ask for per position
+MAX_PENALTY = 2.0   # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+MAX_LOGIT_BIAS = 100.0   # a logit bias lies in [-100, 100] (OpenAI's range): -100 bans a token in effect
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,17 @@ class SamplingParams:
     structured: Constraint | None = None   # given as {kind: value}; normalised in __post_init__
     min_tokens: int = 0              # no stop token before this many generated tokens
     max_thinking_tokens: int | None = None   # force the think end after this many reasoning tokens
+    repetition_penalty: float = 1.0  # > 0; 1 = off; prompt and generated tokens
+    presence_penalty: float = 0.0    # [-2, 2]; generated tokens
+    frequency_penalty: float = 0.0   # [-2, 2]; generated tokens, per occurrence
+    min_p: float = 0.0               # [0, 1]; relative to the top token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()   # given as {token_id: bias}; sorted pairs
+    ignore_eos: bool = False         # EOS does not end the row
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty asks for something (the row needs its token counts)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -103,10 +116,28 @@ class SamplingParams:
                 and self.max_thinking_tokens >= 0):
             raise ValueError(f"SamplingParams.max_thinking_tokens must be None or an int >= 0, "
                              f"got {self.max_thinking_tokens!r}")
+        self._check_penalties()
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("SamplingParams.ignore_eos cannot be combined with structured: a constrained row "
+                             "ends by EOS where its grammar is complete")
         if self.structured is not None and (self.stop or self.stop_token_ids):
             which = "stop" if self.stop else "stop_token_ids"
             raise ValueError(f"SamplingParams.{which} cannot be combined with structured: a constrained row "
                              "ends where its grammar is complete (a stop could cut it mid-record)")
+
+    def _check_penalties(self) -> None:
+        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"SamplingParams.min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +152,28 @@ class SamplingParams:
         out = object.__new__(SamplingParams)     # a field copy: copy.copy's generic path costs ~10x more
         out.__dict__.update(self.__dict__, seed=seed)
         return out
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``{token_id: bias}`` (or its pairs) as (token id, bias) pairs sorted by id, checked."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(t, b) for t, b in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"SamplingParams.logit_bias must map token ids to biases, got {bias!r}"[:300]) from None
+    for t, b in pairs:
+        if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {t!r}"[:300])
+        if not (_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+            raise ValueError(f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {b!r} "
+                             f"for token {t}"[:300])
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("SamplingParams.logit_bias lists a token id twice")
+    return tuple(sorted((t, float(b)) for t, b in pairs))
 
 
 def _check_seed(seed: object) -> None:

@@ -26,6 +26,25 @@ class SamplingTensors:
     greedy: torch.Tensor       # [b] bool
     filtered: bool             # host-known: any row uses top-k or top-p (skips the filter otherwise)
     all_greedy: bool = False   # host-known: every row is greedy (argmax fast path, no probabilities)
+    min_p: torch.Tensor | None = None   # [b] float; 0 = off (None: no row uses it, host-known)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Per-row logit biases and penalties on the device (vLLM's meanings, ``params.SamplingParams``).
+
+    ``bias_ids``/``bias_values`` ``[b, S]`` (ids -1 padded; None: no row has a bias); ``counts [b, V]``
+    each token's occurrences among the generated tokens and ``seen [b, V]`` the prompt's tokens (None:
+    no row has a penalty); ``repetition [b]`` (1 = off), ``presence [b]``, ``frequency [b]`` (0 = off).
+    """
+
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    counts: torch.Tensor | None
+    seen: torch.Tensor | None
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
 
 
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -142,6 +161,10 @@ def process(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature).to(x.dtype)
     x = x / temp[:, None, None]
     top, first = x.max(-1, keepdim=True)             # greedy rows are untempered: ``first`` is their argmax
+    if st.min_p is not None:
+        # p < min_p * p_top  <=>  x - top < log(min_p); min_p = 0 keeps every token (log 0 = -inf)
+        floor = top + st.min_p.to(x.dtype).log()[:, None, None]
+        x = x.masked_fill(x < floor, float("-inf"))
     probs = _filtered_probs(x, top, st.top_k, st.top_p) if st.filtered else x.softmax(-1)
     greedy = st.greedy[:, None, None]
     probs.masked_fill_(greedy, 0.0)                   # a fill, not a product: NaN-safe for extreme logits
@@ -207,6 +230,47 @@ def greedy_accept(p_logits: torch.Tensor, q_logits: torch.Tensor, width: torch.T
     if width is not None:
         n_acc = torch.minimum(n_acc, width)
     return Verdict(drafts, n_acc, target.gather(1, n_acc[:, None]).squeeze(1))
+
+
+def _penalised(logits: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, pen: Penalties,
+               idx: tuple[slice | None, ...]) -> torch.Tensor:
+    """The penalty rule, elementwise: ``logits`` of tokens occurring ``count`` times among the
+    generated tokens (``seen``: in the prompt or generated); the rows' penalties broadcast by ``idx``."""
+    rep = pen.repetition.to(logits.dtype)[idx]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    x = torch.where(seen | (count > 0), repeated, logits)
+    c = count.to(logits.dtype)
+    return x - pen.frequency.to(logits.dtype)[idx] * c - pen.presence.to(logits.dtype)[idx] * (c > 0).to(logits.dtype)
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties, drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [b, T, V]`` with the rows' logit biases added, then their repetition, frequency and
+    presence penalties applied with each position's token counts: position t follows ``drafts [b,
+    T-1]``'s first t (the verify inputs after the anchor; None: no drafts, one count for every
+    position), so each target is what plain AR decoding computes after those drafts. A copy."""
+    x = logits
+    if pen.bias_ids is not None:
+        ids = pen.bias_ids.clamp(min=0)[:, None, :].expand(-1, x.shape[1], -1)          # [b, T, S]; pad adds 0
+        add = torch.where(pen.bias_ids >= 0, pen.bias_values, 0.0).to(x.dtype)[:, None, :].expand_as(ids)
+        x = x.scatter_add(-1, ids, add)
+    if pen.counts is None:
+        return x
+    row = (slice(None), None, None)
+    base = _penalised(x, pen.counts[:, None, :], pen.seen[:, None, :], pen, row)       # [b, T, V]
+    if drafts is None or x.shape[1] < 2:
+        return base
+    # Position t counts the drafts d_1..d_t too: rewrite each draft token's logit at every position
+    # with its count there (the other tokens' counts are the base ones). A token drafted twice gets
+    # the same value from both of its entries, so the scatter's order does not matter.
+    b, t = x.shape[:2]
+    same = drafts[:, None, :] == drafts[:, :, None]                                     # [b, T-1 (j), T-1 (i)]
+    before = torch.arange(1, t, device=x.device)[None, :] <= torch.arange(t, device=x.device)[:, None]  # [T, T-1]: d_i by t
+    extra = (same[:, None, :, :] & before[None, :, None, :]).sum(-1)                    # [b, T, T-1]
+    ids = drafts[:, None, :].expand(b, t, -1)                                           # [b, T, T-1]
+    count = pen.counts.gather(-1, drafts)[:, None, :] + extra
+    seen = pen.seen.gather(-1, drafts)[:, None, :].expand(b, t, -1)
+    vals = _penalised(x.gather(-1, ids), count, seen, pen, (slice(None), None, None))
+    return base.scatter(-1, ids, vals)
 
 
 def forbid_early_stops(logits: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,

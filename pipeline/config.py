@@ -98,7 +98,8 @@ class PromptConfig(_Section):
 
 class SamplingConfig(_Section):
     """Sampling defaults; per-row columns temperature/top_p/top_k/max_new_tokens/min_tokens/max_thinking_tokens/
-    seed/logprobs/stop/structured override them (``pipeline/requests/sampling_fields.py``)."""
+    seed/logprobs/stop/structured/repetition_penalty/presence_penalty/frequency_penalty/min_p/logit_bias/
+    ignore_eos override them (``pipeline/requests/sampling_fields.py``)."""
 
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
@@ -135,6 +136,24 @@ class SamplingConfig(_Section):
         "max_new_tokens). Compiled for the model's tokenizer at preflight, before any model loads. Cannot be "
         "combined with stop or stop_token_ids. A row's own 'structured' column wins (JSON text of the same "
         "{kind: value}, or a struct; the JSON text null: unconstrained). None: off."))
+
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description=(
+        "vLLM's repetition penalty: a token seen in the prompt or the generated tokens has a positive logit "
+        "divided by it and a negative one multiplied. 1 = off. Exact under speculation (each position is "
+        "penalised with the tokens before it, drafts included). A row's own column wins."))
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "OpenAI's presence penalty: subtracted from the logit of every token already generated. 0 = off."))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "OpenAI's frequency penalty: subtracted from a token's logit once per time it was generated. 0 = off."))
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Drop tokens whose probability (after temperature) is below min_p times the top token's, before "
+        "top-k and top-p (vLLM's order). 0 = off."))
+    logit_bias: dict[int, float] = Field(default_factory=dict, description=(
+        "Token id -> bias in [-100, 100] added to that token's logit before penalties and sampling "
+        "(OpenAI's logit_bias; -100 bans a token in effect). A row's own column (a map, or a JSON object) wins."))
+    ignore_eos: bool = Field(False, description=(
+        "EOS does not end a sample (stop_token_ids and stop strings still do): every sample runs to "
+        "max_new_tokens. Cannot be combined with structured."))
 
     @field_validator("stop")
     @classmethod

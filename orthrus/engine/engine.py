@@ -152,7 +152,7 @@ class OrthrusEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         prompt = [int(t) for t in prompt_token_ids]
         reasoning = self.reasoning if self.reasoning and self.reasoning.opens_reasoning(prompt) else None
-        self.scheduler.add(Request(rid, prompt, params, seed, reasoning=reasoning))
+        self.scheduler.add(Request(rid, prompt, params, seed, reasoning=reasoning, eos=self.eos_token_ids))
         return rid
 
     def abort_request(self, request_id: str) -> None:

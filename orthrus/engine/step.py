@@ -11,6 +11,7 @@ step's token budget) and the rows that only need packing. Shapes: ``n`` rows.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,28 +38,28 @@ def occupancy_bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingPaths:
-    """The sampling fast paths rows allow (host-known, part of a CUDA graph's key)."""
+    """The sampling work a forward's rows need beyond the plain draw (host-known, part of a CUDA
+    graph's key): a flag off skips that work over the vocabulary for every row. The flags a per-row
+    setting turns on are named in ``row_settings.SETTINGS``."""
 
     filtered: bool      # some row samples with top-k or top-p
     all_greedy: bool    # every row decodes by argmax
     min_tokens: bool = False   # some row may not stop yet (its min_tokens): mask its stop ids
     thinking: bool = False     # some row's thinking budget may force tokens: track its think end
+    min_p: bool = False        # some row samples with min_p
+    penalties: bool = False    # some row has a repetition, presence or frequency penalty
+    bias: bool = False         # some row has a logit bias
 
 
 @dataclass(frozen=True)
 class SlotParams:
-    """Admitted rows' sampling parameters, seeds and stop ids (``[n]``; ``stop_ids [n, S]``, -1 padded)."""
+    """Admitted rows' per-row settings by their ``row_settings`` names: ``[n]`` arrays, ``[n, S]``
+    for a ragged one (padded with its default)."""
 
-    stop_ids: np.ndarray
-    seed: np.ndarray
-    max_new: np.ndarray
-    min_new: np.ndarray       # no stop id before this many generated tokens (min_tokens)
-    think_at: np.ndarray      # generated index where a spent thinking budget forces the think end (-1: none)
-    think_span: np.ndarray    # how many tokens it forces from there (the think end, then the separator)
-    top_k: np.ndarray
-    temperature: np.ndarray   # float64
-    top_p: np.ndarray         # float64
-    greedy: np.ndarray        # bool
+    values: Mapping[str, np.ndarray]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[name]
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class Admission:
     params: SlotParams
     copies: tuple[PromptCopy, ...]
     resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Rows with penalties (their token counts start from zero) and, for those with a repetition
+    # penalty, their prompts' tokens (``seen_tokens``, each at its slot ``seen_slots``).
+    penalized: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seen_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seen_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,14 @@ def _check_types(schemas: list[pa.Schema], id_col: str | None, prompt: str | Non
                             or (is_list(t) and (is_text(t.value_type) or pa.types.is_null(t.value_type))))
             _check_type(name, ok, "a list of strings or a string", schemas, files)
             continue
+        if name == "logit_bias":   # token id -> bias: a map, an object (a struct by token id), or JSON text
+            ok = lambda t: (is_text(t) or pa.types.is_null(t) or pa.types.is_map(t)  # noqa: E731
+                            or pa.types.is_struct(t) or is_list(t))
+            _check_type(name, ok, "a map of token id -> bias, an object or JSON text", schemas, files)
+            continue
+        if name == "ignore_eos":
+            _check_type(name, lambda t: pa.types.is_boolean(t) or pa.types.is_null(t), "a boolean", schemas, files)
+            continue
         ok = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)  # noqa: E731
         _check_type(name, ok, "a number", schemas, files)
     for internal in INTERNAL_INPUTS:

@@ -11,7 +11,7 @@ processor's ``sampling_params`` (vLLM's names) and OpenAI batch ``body`` objects
   ignored option would give the row a completion it did not ask for.
 
 The job's input columns follow the same rule for the options in :data:`JOB_COLUMNS` (a column
-``presence_penalty`` at 0.5 is that row's error; at 0 it passes through). Every other column passes
+``best_of`` at 2 is that row's error; at 1 it passes through). Every other column passes
 through to the output as before: a job's input has columns of its own (``n``, ``name``, ``model``)
 that are data, not requests.
 """
@@ -25,10 +25,9 @@ IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stre
                      "request_id", "priority", "name"})
 # The default of each option we do not implement: the value that asks for nothing beyond plain generation.
 DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0), "best_of": (1,), "n": (1,), "logit_bias": ({},),
+    "best_of": (1,), "n": (1,),
     "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "functions": ([],),
-    "function_call": ("none", "auto"), "ignore_eos": (False,), "echo": (False,), "suffix": ("",),
+    "function_call": ("none", "auto"), "echo": (False,), "suffix": ("",),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
     "include_stop_str_in_output": (False,), "prompt_logprobs": (0,), "truncate_prompt_tokens": (0,),
     "reasoning_effort": ("",), "modalities": (["text"],), "audio": ({},), "prediction": ({},),
@@ -36,8 +35,7 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
-JOB_COLUMNS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "best_of",
-               "logit_bias", "ignore_eos")
+JOB_COLUMNS = ("best_of",)
 
 
 def unsupported(key: str, value: Any) -> str | None:

@@ -13,6 +13,7 @@ row's source names it (``body.max_tokens``, ``column 'top_p'``, ``sampling_param
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -22,7 +23,7 @@ import pyarrow as pa
 from orthrus import SamplingParams
 from pipeline.requests.errors import RowError
 
-Kind = Literal["number", "int", "strings", "ints", "structured"]
+Kind = Literal["number", "int", "strings", "ints", "structured", "bias", "bool"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class SamplingField:
     config: str              # ``SamplingConfig``'s field: the job's default
 
 
+# A logit bias in Arrow: token id -> bias (a Parquet map column; JSON objects in OpenAI bodies).
+BIAS_TYPE = pa.map_(pa.int64(), pa.float64())
+
 FIELDS: tuple[SamplingField, ...] = (
     SamplingField("temperature", "temperature", "temperature", "temperature", pa.float64(), "number", "temperature"),
     SamplingField("top_p", "top_p", "top_p", "top_p", pa.float64(), "number", "top_p"),
@@ -52,6 +56,15 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("stop_token_ids", "stop_token_ids", None, None, pa.list_(pa.int64()), "ints", "stop_token_ids"),
     SamplingField("logprobs", "logprobs", "logprobs", "logprobs", pa.int64(), "int", "logprobs"),
     SamplingField("structured", "structured", "structured", None, pa.string(), "structured", "structured"),
+    SamplingField("repetition_penalty", "repetition_penalty", "repetition_penalty", "repetition_penalty",
+                  pa.float64(), "number", "repetition_penalty"),
+    SamplingField("presence_penalty", "presence_penalty", "presence_penalty", "presence_penalty", pa.float64(),
+                  "number", "presence_penalty"),
+    SamplingField("frequency_penalty", "frequency_penalty", "frequency_penalty", "frequency_penalty", pa.float64(),
+                  "number", "frequency_penalty"),
+    SamplingField("min_p", "min_p", "min_p", "min_p", pa.float64(), "number", "min_p"),
+    SamplingField("logit_bias", "logit_bias", "logit_bias", "logit_bias", BIAS_TYPE, "bias", "logit_bias"),
+    SamplingField("ignore_eos", "ignore_eos", "ignore_eos", "ignore_eos", pa.bool_(), "bool", "ignore_eos"),
 )
 BY_ENGINE = {f.engine: f for f in FIELDS}
 # The job's per-row override columns (consumed, never passed through).
@@ -96,7 +109,38 @@ def parse(field: SamplingField, value: Any, where: str, vllm: bool = False) -> A
         if not isinstance(value, (list, tuple)):
             raise RowError(f"{where} must be a list of integers, got {value!r}"[:300])
         return tuple(as_int(where, t) for t in value)
+    if field.kind == "bool":
+        if not isinstance(value, bool):
+            raise RowError(f"{where} must be true or false, got {value!r}"[:300])
+        return value
+    if field.kind == "bias":
+        return _bias(value, where)
     return value      # structured: parsed by ``structured.py``, which names its own fields
+
+
+def _bias(value: Any, where: str) -> tuple[tuple[int, float], ...]:
+    """A logit bias as (token id, bias) pairs: an object (OpenAI's, keys are token ids as strings), a
+    map column's pairs, or an object's JSON text. Ranges are the engine's checks (``build``)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RowError(f"{where} must be an object of token id -> bias, got {value!r}"[:300]) from None
+    try:
+        pairs = list(value.items()) if isinstance(value, dict) else [tuple(p) for p in value]
+        if not all(len(p) == 2 for p in pairs):
+            raise TypeError
+    except TypeError:
+        raise RowError(f"{where} must be an object of token id -> bias, got {value!r}"[:300]) from None
+    out = []
+    for token, bias in pairs:
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        token = as_int(f"{where} key", token)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise RowError(f"{where}[{token}] must be a number, got {bias!r}"[:300])
+        out.append((token, float(bias)))
+    return tuple(out)
 
 
 def build(settings: dict[str, Any], name: Callable[[str], str]) -> SamplingParams:
@@ -174,5 +218,6 @@ def stop_with_structured(structured: str, stop: str) -> RowError:
 def to_vllm(p: SamplingParams, structured_json: str | None) -> dict[str, Any]:
     """``p`` under the request struct's (vLLM's) names; ``structured_json``: its constraint as JSON text."""
     out = {f.vllm: getattr(p, f.engine) for f in FIELDS if f.kind != "structured"}
-    out.update(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), structured=structured_json)
+    out.update(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), structured=structured_json,
+               logit_bias=list(p.logit_bias))
     return out

@@ -16,7 +16,10 @@ from pipeline.config import ConfigError, JobConfig
 
 # Settings added after outputs with fingerprints existed, left out at their default (which is what
 # those outputs were generated with), so such an output resumes unchanged.
-_LATER_DEFAULTS = {"sampling.min_tokens": 0, "sampling.max_thinking_tokens": None}
+_LATER_DEFAULTS = {"sampling.min_tokens": 0, "sampling.max_thinking_tokens": None,
+                   "sampling.repetition_penalty": 1.0, "sampling.presence_penalty": 0.0,
+                   "sampling.frequency_penalty": 0.0, "sampling.min_p": 0.0, "sampling.logit_bias": {},
+                   "sampling.ignore_eos": False}
 
 
 def fingerprint(config: JobConfig) -> dict[str, object]:

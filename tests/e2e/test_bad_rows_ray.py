@@ -29,7 +29,7 @@ GOOD = [
 ]
 BAD = [
     {"id": "upstream", "prompt": "x", "error": 7, "sp": {"max_tokens": 12}},
-    {"id": "penalty", "prompt": "x", "sp": {"max_tokens": 12, "presence_penalty": 0.5}},
+    {"id": "penalty", "prompt": "x", "sp": {"max_tokens": 12, "presence_penalty": 5}},
     {"id": "choices", "prompt": "x", "sp": {"max_tokens": 12, "guided_choice": [f"c{i}" for i in range(5001)]}},
     {"id": "selfref", "prompt": "x", "sp": {"max_tokens": 12, "guided_json": '{"$ref": "#"}'}},
     {"id": "explodes", "prompt": "x", "sp": {"max_tokens": 12, "guided_grammar": EXPLODES["grammar"]}},
@@ -64,7 +64,7 @@ def test_bad_rows_are_their_own_errors_and_neighbours_are_unchanged(ray_local, t
     errors = {r["id"]: mixed[r["id"]]["error"] for r in BAD}
     assert all(mixed[r["id"]]["finish_reason"] == "error" for r in BAD)
     assert errors["upstream"] == "7"                                      # kept, as text
-    assert errors["penalty"] == "sampling_params.presence_penalty: not supported (got 0.5)"
+    assert errors["penalty"] == "sampling_params.presence_penalty must be a number in [-2, 2] (0 = off), got 5.0"
     assert errors["choices"].startswith("sampling_params.guided_choice: choice has 5001 choices; the limit is ")
     assert errors["selfref"].startswith("sampling_params.guided_json: json_schema admits no JSON value")
     assert errors["explodes"].startswith("decoding failed: SamplingParams.structured.grammar: the grammar engine "

@@ -79,11 +79,13 @@ def enumerate_ar(model, prompt: list[int], params: dict, eos: int,
                  adjust: Callable[[tuple[int, ...], torch.Tensor], torch.Tensor]) -> dict[tuple[int, ...], float]:
     """P(sequence) of plain AR sampling, every path walked: the model's next-token logits ``[V]``,
     changed by ``adjust(prefix, logits)`` (a rule under test: a mask, a forced token), processed as
-    the engine does with ``params`` (temperature, top_k, top_p; ``max_new_tokens`` the horizon);
+    the engine does with ``params`` (temperature, min_p if given, top_k, top_p; ``max_new_tokens`` the horizon);
     a path ends at ``eos`` or the horizon. For small vocabularies and horizons only."""
     from orthrus.sampling import SamplingTensors, process
+    min_p = torch.tensor([params["min_p"]], dtype=torch.float64) if params.get("min_p") else None
     st = SamplingTensors(torch.tensor([params["temperature"]], dtype=torch.float64), torch.tensor([params["top_k"]]),
-                         torch.tensor([params["top_p"]], dtype=torch.float64), torch.zeros(1, dtype=torch.bool), True)
+                         torch.tensor([params["top_p"]], dtype=torch.float64), torch.zeros(1, dtype=torch.bool), True,
+                         min_p=min_p)
     dist: dict[tuple[int, ...], float] = {}
 
     def walk(prefix: tuple[int, ...], prob: float) -> None:

@@ -225,7 +225,9 @@ def test_openai_batch_requests_become_fixed_columns_and_error_rows(tmp_path):
 
     plan = inspect_inputs(new, STORAGE)
     assert plan.input_error and plan.passthrough == ("openai_url",)
-    assert set(plan.override_columns) == {"temperature", "top_p", "top_k", "max_new_tokens", "min_tokens", "max_thinking_tokens", "seed", "logprobs", "stop"}
+    assert set(plan.override_columns) == {"temperature", "top_p", "top_k", "max_new_tokens", "min_tokens", "max_thinking_tokens", "seed", "logprobs", "stop",
+                                          "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
+                                          "logit_bias", "ignore_eos"}
 
 
 # ---------------------------------------------------------------- reuse
@@ -418,7 +420,7 @@ def test_openai_body_keys_follow_one_rule_and_name_the_users_field_and_line(tmp_
     path = _write(tmp_path / "in" / "b.jsonl", [
         _request("ok", messages=chat, model="gpt-x", user="u", metadata={"k": "v"}, frequency_penalty=0,
                  presence_penalty=0.0, tools=[], tool_choice="none", store=False),
-        _request("freq", messages=chat, frequency_penalty=0.5),
+        _request("freq", messages=chat, frequency_penalty=2.5),
         _request("tools", messages=chat, tools=[{"type": "function", "function": {"name": "f"}}]),
         _request("choice", messages=chat, tool_choice="required"),
         _request("unknown", messages=chat, temprature=0.3),
@@ -431,7 +433,7 @@ def test_openai_body_keys_follow_one_rule_and_name_the_users_field_and_line(tmp_
     assert len(rows) == 8 and rows["ok"][INPUT_ERROR] is None and rows["ok"]["messages"] is not None
     errors = {i: r[INPUT_ERROR] for i, r in rows.items() if i != "ok"}
     assert errors == {
-        "freq": "line 2 of b.jsonl: body.frequency_penalty: not supported (got 0.5)",
+        "freq": "line 2 of b.jsonl: body.frequency_penalty must be a number in [-2, 2] (0 = off), got 2.5",
         "tools": "line 3 of b.jsonl: body.tools: not supported (got [{'type': 'function', 'function': {'name': 'f'}}])",
         "choice": "line 4 of b.jsonl: body.tool_choice: not supported (got 'required')",
         "unknown": "line 5 of b.jsonl: body.temprature: not a field this job knows (got 0.3)",
@@ -457,16 +459,16 @@ def test_a_duplicate_custom_id_names_custom_id_the_source_file_and_both_lines(tm
 
 
 def test_job_columns_that_ask_for_an_unsupported_option_are_their_rows_error(tmp_path):
-    path = _write(tmp_path / "j" / "rows.jsonl", [{"id": "a", "prompt": "p", "presence_penalty": 0.0, "n": 3},
-                                                  {"id": "b", "prompt": "p", "presence_penalty": 0.5}])
+    path = _write(tmp_path / "j" / "rows.jsonl", [{"id": "a", "prompt": "p", "best_of": 1, "n": 3},
+                                                  {"id": "b", "prompt": "p", "best_of": 2}])
     new, _ = _stage(tmp_path, [path], "jsonl")
     errors = {r["id"]: r[INPUT_ERROR] for r in _rows(new.paths[0])}
-    assert errors == {"a": None, "b": "line 2 of rows.jsonl: presence_penalty: not supported (got 0.5)"}
-    write_shard(tmp_path / "pq", "rows.parquet", id=["x", "y"], prompt=["p", "q"], min_p=[0.0, 0.1],
+    assert errors == {"a": None, "b": "line 2 of rows.jsonl: best_of: not supported (got 2)"}
+    write_shard(tmp_path / "pq", "rows.parquet", id=["x", "y"], prompt=["p", "q"], best_of=[1, 3],
                 n=[1, 5])                                                 # 'n' is data here: passed through
     cfg = job_config(tmp_path / "pq", TOKENIZER_DIR, sampling={"max_new_tokens": 4})
     rows = {r["id"]: r for r in preprocess_rows(cfg)}
-    assert rows["x"]["error"] is None and rows["y"]["error"] == "column 'min_p': not supported (got 0.1)"
+    assert rows["x"]["error"] is None and rows["y"]["error"] == "column 'best_of': not supported (got 3)"
 
 
 def test_a_custom_id_in_two_source_files_names_both_files_and_lines(tmp_path):

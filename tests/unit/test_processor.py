@@ -36,7 +36,9 @@ def test_sampling_params_take_vllms_names_from_a_struct_or_a_map():
     assert sampling_params_of([("max_tokens", 3)]).max_new_tokens == 3          # a map column's value
     unseeded = {sampling_params_of(None).seed for _ in range(4)}
     assert len(unseeded) == 4                                                   # random, and reported
-    for bad, message in (({"presence_penalty": 1.0}, "sampling_params.presence_penalty: not supported"),
+    for bad, message in (({"presence_penalty": 3.0}, r"sampling_params.presence_penalty must be a number in \[-2, 2\]"),
+                         ({"logit_bias": {"7": 200}}, r"sampling_params.logit_bias values must be numbers in \[-100, 100\]"),
+                         ({"best_of": 2}, "sampling_params.best_of: not supported"),
                          ({"max_tokens": 0.5}, "sampling_params.max_tokens must be an integer"),
                          ({"temperature": "hot"}, "sampling_params.temperature must be a number"),
                          ({"logprobs": 99}, r"sampling_params.logprobs must be None or an int in \[0, 20\]"), ("x", "must be a struct or map")):

@@ -10,10 +10,9 @@ import torch
 from orthrus.engine.device.prefill import ChunkForward, PrefixCopy
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
-from orthrus.engine.step import Admission, PrefillWork, PromptCopy, SlotParams
+from orthrus.engine.row_settings import SETTINGS
+from orthrus.engine.step import Admission, PrefillWork, PromptCopy
 from orthrus.model.ragged import AttentionGroup, pad_layout
-
-_PARAMS = ("stop_ids", "seed", "max_new", "min_new", "think_at", "think_span", "top_k", "temperature", "top_p", "greedy")
 
 
 def _ints(xs: list[int]) -> np.ndarray:
@@ -22,17 +21,27 @@ def _ints(xs: list[int]) -> np.ndarray:
 
 def seat(adm: Admission, staging: HostStaging, st: SlotState) -> PrefixCopy | None:
     """Stage everything the device needs to seat an admission in one copy and write the rows'
-    sampling parameters, seeds and stop ids into their slots' state (stop ids -1 padded to the
-    state's width) → the copies from running slots to apply (None: none)."""
-    p = adm.params
-    stops = np.full((len(adm.slots), st.stop_ids.shape[1]), -1, dtype=np.int64)
-    stops[:, : p.stop_ids.shape[1]] = p.stop_ids
-    parts = {"slots": _ints(adm.slots), **{f: getattr(p, f) for f in _PARAMS}, "stop_ids": stops,
-             **copy_arrays("", adm.copies)}
+    settings (every row of ``row_settings.SETTINGS``; a ragged one padded to the state's width,
+    which ``SlotState.widen`` made room for) into their slots' state, and start penalised rows'
+    token counts (their prompts' tokens seen) → the copies from running slots to apply (None: none)."""
+    parts = {"slots": _ints(adm.slots), **copy_arrays("", adm.copies)}
+    for s in SETTINGS:
+        value = adm.params[s.name]
+        if s.ragged:
+            wide = np.full((len(adm.slots), getattr(st, s.name).shape[1]), s.default, dtype=value.dtype)
+            wide[:, : value.shape[1]] = value
+            value = wide
+        parts[f"s.{s.name}"] = value
+    if len(adm.penalized):
+        parts.update(penalized=adm.penalized, seen_slots=adm.seen_slots, seen_tokens=adm.seen_tokens)
     d = staging.stage(parts)
     slots = d["slots"]
-    for name in _PARAMS:
-        getattr(st, name)[slots] = d[name]
+    for s in SETTINGS:
+        getattr(st, s.name)[slots] = d[f"s.{s.name}"]
+    if len(adm.penalized):
+        st.counts[d["penalized"]] = 0
+        st.seen[d["penalized"]] = False
+        st.seen[d["seen_slots"], d["seen_tokens"]] = True
     return prefix_copy("", adm.copies, d)
 
 
@@ -83,5 +92,3 @@ def chunk_forward(work: PrefillWork, d: dict[str, torch.Tensor]) -> ChunkForward
         first += count
     return ChunkForward(d["c.tokens"], d["c.positions"], tuple(groups), d["c.slots"], d["c.last"])
 
-
-assert set(_PARAMS) == set(SlotParams.__dataclass_fields__), "every SlotParams field reaches the device"

@@ -21,7 +21,8 @@ from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import PagedKVCache
 from orthrus.ranges import named_range
-from orthrus.sampling import accept, forbid_early_stops, force_reasoning_end, greedy_accept, process, sample
+from orthrus.sampling import (accept, apply_penalties, forbid_early_stops, force_reasoning_end, greedy_accept, process,
+                              sample)
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
@@ -55,9 +56,13 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
 
 def _target(logits: torch.Tensor, st: SlotState, slots: torch.Tensor, paths: SamplingPaths,
             produced: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """The AR logits ``[b, T, V]`` the target distribution comes from: stop ids forbidden where a
-    row has generated fewer than its ``min_tokens``, and a spent thinking budget's tokens forced
-    (each only when some row may, host-known). ``drafts [b, T-1]``: the verify inputs after the anchor."""
+    """The AR logits ``[b, T, V]`` the target distribution comes from: logit biases and penalties
+    (with each position's token counts), stop ids forbidden where a row has generated fewer than its
+    ``min_tokens``, and a spent thinking budget's tokens forced (each only when some row may,
+    host-known). ``drafts [b, T-1]``: the verify inputs after the anchor."""
+    pen = st.penalties(slots, paths)
+    if pen is not None:
+        logits = apply_penalties(logits, pen, drafts)
     if paths.min_tokens:
         logits = forbid_early_stops(logits, st.stop_ids[slots], produced, st.min_new[slots])
     if paths.thinking:
@@ -74,6 +79,15 @@ def _close_thinking(st: SlotState, slots: torch.Tensor, emitted: torch.Tensor, n
     think_at = st.think_at[slots]
     early = (emitted == st.forced_thinking[0]) & (i < n_emit[:, None]) & (produced[:, None] + i < think_at[:, None])
     st.think_at[slots] = torch.where(early.any(-1), -1, think_at)
+
+
+def _count(st: SlotState, slots: torch.Tensor, tokens: torch.Tensor, n_keep: torch.Tensor,
+           paths: SamplingPaths) -> None:
+    """Add the first ``n_keep [b]`` of ``tokens [b, W]`` to the rows' token counts (penalties), when
+    some row has a penalty (the other rows' counts are never read: they restart at their seat)."""
+    if paths.penalties:
+        keep = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n_keep[:, None]
+        st.counts.index_put_((slots[:, None].expand_as(tokens), tokens), keep.to(st.counts.dtype), accumulate=True)
 
 
 @named_range("prefill")
@@ -104,6 +118,7 @@ def sample_first(dev: DeviceParts, slots: torch.Tensor, row_lens: torch.Tensor, 
     if paths.thinking:
         _close_thinking(st, slots, first[:, None], n_emit, torch.zeros_like(row_lens))
     st.out_count[slots] = n_emit
+    _count(st, slots, first[:, None], n_emit, paths)
     st.anchor[slots] = first
     st.first[slots] = first
     st.reason[slots] = reason
@@ -135,6 +150,7 @@ def _commit(dev: DeviceParts, slots: torch.Tensor, emitted: torch.Tensor, n_acc:
         _close_thinking(st, slots, emitted, n_emit, st.out_count[slots])
     cache.lengths[slots] += (n_acc + 1) * alive
     st.out_count[slots] += n_emit
+    _count(st, slots, emitted, n_emit, paths)
     st.counter[slots] += alive.long()
     st.anchor[slots] = torch.where(alive, nxt, st.anchor[slots])
     new_reason = torch.where(alive, reason, st.reason[slots])
@@ -169,6 +185,9 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
     sp = st.sampling(slots, plan.paths)
     seed, counter, anchor = st.seed[slots], st.counter[slots] + 1, st.anchor[slots]
     q_logits = dev.proposer.propose(anchor, draft_view, cache, slots, backend)    # [b, K-1, V]
+    pen = st.penalties(slots, plan.paths)
+    if pen is not None:       # the proposal with the row's biases and penalties so far: closer to the target
+        q_logits = apply_penalties(q_logits, pen)
     if masks is not None:
         q_logits = torch.cat([constrain(q_logits[:, :1], masks.first[:, None]), q_logits[:, 1:]], 1)
     verify_view = BlockBatch(view_slots, pos, plan.kv_len)

@@ -24,7 +24,8 @@ from orthrus.engine.device.proposer import DiffusionProposer, Proposer
 from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.packed import Packed
-from orthrus.engine.step import AR, Iteration, PrefillWork, ScheduledStep, StepOutput
+from orthrus.engine.row_settings import RAGGED
+from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.model.backends import AttentionBackend, choose_backend
 from orthrus.engine.device.kv_sizing import check_pool, pool_tokens
 from orthrus.model.cache import PagedKVCache
@@ -110,7 +111,7 @@ class ModelRunner:
         if "kill" in idx:
             self.state.alive.index_fill_(0, idx["kill"], False)
         if step.admission is not None:
-            self._widen(step.admission.params.stop_ids.shape[1])
+            self._make_room(step.admission)
             copy = admission.seat(step.admission, self.admission_staging, self.state)
             if copy is not None:
                 copy.apply(self.cache, self.state.prompt_hidden)
@@ -215,10 +216,13 @@ class ModelRunner:
             return kernels.speculative_cycle(self.parts, plan, slots, masks, chunk)
         return kernels.ar_step(self.parts, plan, slots, masks, chunk)
 
-    def _widen(self, width: int) -> None:
-        """Room for ``width`` stop ids per slot (captured graphs hold the old buffer: forget them)."""
-        if width > self.state.stop_ids.shape[1]:
-            self.state.widen(width)
+    def _make_room(self, adm: Admission) -> None:
+        """Room in the slot state for an admission's ragged settings and, for penalised rows, their
+        token counts (captured graphs hold the old buffers: forget them when one is replaced)."""
+        grew = [self.state.widen(name, adm.params[name].shape[1]) for name in RAGGED]
+        if len(adm.penalized):
+            grew.append(self.state.track_penalties(self.parts.model.config.vocab_size))
+        if any(grew):
             self.graphs.clear()
 
     def reset(self) -> None:

@@ -21,24 +21,7 @@ import numpy as np
 from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.prefix_cache import PageIndex, PrefixIndex
 from orthrus.engine.host.requests import Request
-from orthrus.engine.step import PromptChunk, PromptCopy, SlotParams
-
-
-def slot_params(reqs: list[Request], eos_token_ids: tuple[int, ...]) -> SlotParams:
-    """The requests' sampling parameters as ``[n]`` arrays; ``stop_ids [n, S]``: EOS and each one's
-    own stop ids, padded with -1 (S: the most any of them has)."""
-    ids = [sorted(set(eos_token_ids) | set(r.params.stop_token_ids)) for r in reqs]
-    stops = np.full((len(reqs), max(map(len, ids), default=0)), -1, dtype=np.int64)
-    for i, row in enumerate(ids):
-        stops[i, : len(row)] = row
-    ps = [r.params for r in reqs]
-    ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-    return SlotParams(stop_ids=stops, seed=ints([r.seed for r in reqs]), max_new=ints([p.max_new_tokens for p in ps]),
-                      min_new=ints([p.min_tokens for p in ps]), think_at=ints([r.think_at for r in reqs]),
-                      think_span=ints([r.think_span for r in reqs]), top_k=ints([p.top_k for p in ps]),
-                      temperature=np.asarray([p.temperature for p in ps], dtype=np.float64),
-                      top_p=np.asarray([p.top_p for p in ps], dtype=np.float64),
-                      greedy=np.asarray([p.greedy for p in ps], dtype=bool))
+from orthrus.engine.step import PromptChunk, PromptCopy
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ class Request:
     prompt_ids: np.ndarray = field(init=False, repr=False)   # the prompt as int64 (prefix cache lookups)
     prefix_hashes: list[int] | None = field(default=None, repr=False)   # its block hashes, once admitted
     reasoning: ReasoningTokens | None = None   # its think tokens, when its prompt opens a reasoning phase
+    eos: tuple[int, ...] = ()        # the model's EOS ids
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
@@ -36,6 +37,12 @@ class Request:
         """The generated index where its spent thinking budget forces the think end (-1: none)."""
         budget = self.params.max_thinking_tokens
         return budget if self.reasoning is not None and budget is not None else -1
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The token ids that end it, ascending: EOS (unless ``ignore_eos``) and its own stop ids."""
+        eos = () if self.params.ignore_eos else self.eos
+        return tuple(sorted(set(eos) | set(self.params.stop_token_ids)))
 
     @property
     def think_span(self) -> int:

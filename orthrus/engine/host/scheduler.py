@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, attention_groups, slot_params
+from orthrus.engine.host.admission import PausedRows, PromptPlanner, Seat, attention_groups
 from orthrus.engine.host.grammar import SlotGrammars
 from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.prefilling import Prefilling
@@ -26,6 +26,7 @@ from orthrus.engine.host.slot_table import Recorded, SlotTable
 from orthrus.engine.host.speculation import Speculation
 from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
 from orthrus.engine.outputs import EngineStats, FinishReason, RequestOutput
+from orthrus.engine.row_settings import seen_prompts, slot_params
 from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.params import RowStats
 
@@ -286,13 +287,14 @@ class Scheduler:
             r.admitted = now
             self._admissions += 1
             self.order[slot] = self._admissions
-        self.table.admit(slots, reqs)
+        params = slot_params(reqs)
+        self.table.admit(slots, reqs, params)
         self.grammars.admit(slots, [r.params.structured for r in reqs], [r.reasoning is not None for r in reqs])
         held = sum(len(r.prompt) for r in reqs) - plan.computed
         self.stats += EngineStats(admitting_steps=1, prefill_tokens=plan.computed, prefix_cache_hit_tokens=held,
                                   recomputed_tokens=plan.recomputed)
-        return Admission(slots, np.asarray([len(r.prompt) for r in reqs], dtype=np.int64),
-                         slot_params(reqs, self.eos_token_ids), plan.copies, np.asarray(resumed, dtype=np.int64))
+        return Admission(slots, np.asarray([len(r.prompt) for r in reqs], dtype=np.int64), params, plan.copies,
+                         np.asarray(resumed, dtype=np.int64), *seen_prompts(slots, [r.prompt_ids for r in reqs], params))
 
     def update(self, step: ScheduledStep, out: StepOutput) -> list[RequestOutput]:
         """Fold a step's read into the host book → the requests that finished (rows the host ends

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from orthrus.engine.host.logprob_book import LogprobBook
 from orthrus.engine.host.requests import Request
 from orthrus.engine.outputs import FinishReason
 from orthrus.engine.packed import Packed
-from orthrus.engine.step import SamplingPaths
+from orthrus.engine.row_settings import HostSettings
+from orthrus.engine.step import SamplingPaths, SlotParams
 from orthrus.params import RowStats
 
 
@@ -42,6 +43,35 @@ class Released:
     stats: RowStats
 
 
+@dataclass
+class RowCounters:
+    """Per-slot counters of the row in it, ``[B]`` (``hist [B, width]``); all start at zero when a
+    row is seated (:meth:`reset`, over ``fields()``: a counter added here cannot leak between rows).
+    ``thinking_*``: the iterations and accepted drafts that began in the row's reasoning phase."""
+
+    count: np.ndarray            # generated tokens so far
+    cycles: np.ndarray
+    accepted: np.ndarray
+    drafted: np.ndarray
+    verified: np.ndarray
+    ar_steps: np.ndarray
+    hist: np.ndarray
+    thinking_cycles: np.ndarray
+    thinking_ar_steps: np.ndarray
+    thinking_accepted: np.ndarray
+
+    @classmethod
+    def zeros(cls, num_slots: int, width: int) -> RowCounters:
+        """Every counter at zero (``hist`` one column per accept length)."""
+        return cls(**{f.name: np.zeros((num_slots, width) if f.name == "hist" else num_slots, dtype=np.int64)
+                      for f in fields(cls)})
+
+    def reset(self, slots: np.ndarray) -> None:
+        """Zero every counter of ``slots``."""
+        for f in fields(self):
+            getattr(self, f.name)[slots] = 0
+
+
 class SlotTable:
     """Slots ↔ requests, per-slot output buffers ``[B, capacity]`` and counters; the rows'
     logprobs in ``logprobs`` (``vocab_size`` bounds their top-k width)."""
@@ -52,27 +82,15 @@ class SlotTable:
         self.requests: list[Request | None] = [None] * num_slots
         self.busy_mask = np.zeros(num_slots, dtype=bool)
         self.tokens = np.zeros((num_slots, capacity + width + 1), dtype=np.int64)
-        self.count = np.zeros(num_slots, dtype=np.int64)           # generated tokens so far
+        self.counters = RowCounters.zeros(num_slots, width)
+        self.count = self.counters.count                           # generated tokens so far
+        self.settings = HostSettings(num_slots)                    # the rows' per-row settings
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)
         self.limit = np.zeros(num_slots, dtype=np.int64)           # most tokens the row may generate
-        self.min_new = np.zeros(num_slots, dtype=np.int64)         # no stop before this many (min_tokens)
-        self.forced_until = np.full(num_slots, -1, dtype=np.int64)  # last index a thinking budget may force
-        self.greedy = np.zeros(num_slots, dtype=bool)
-        self.filtered = np.zeros(num_slots, dtype=bool)            # sampled with top-k or top-p
         self.has_stops = np.zeros(num_slots, dtype=bool)           # has stop strings to scan for
-        self.cycles = np.zeros(num_slots, dtype=np.int64)
-        self.accepted = np.zeros(num_slots, dtype=np.int64)
-        self.drafted = np.zeros(num_slots, dtype=np.int64)
-        self.verified = np.zeros(num_slots, dtype=np.int64)
-        self.ar_steps = np.zeros(num_slots, dtype=np.int64)
-        self.hist = np.zeros((num_slots, width), dtype=np.int64)
-        # Reasoning rows: still in their phase (before their think end), and the iterations and
-        # accepted drafts of that phase (RowStats.reasoning_tokens_per_cycle).
+        # Reasoning rows: still in their phase (before their think end).
         self.think_end = -1
         self.thinking = np.zeros(num_slots, dtype=bool)
-        self.thinking_cycles = np.zeros(num_slots, dtype=np.int64)
-        self.thinking_ar_steps = np.zeros(num_slots, dtype=np.int64)
-        self.thinking_accepted = np.zeros(num_slots, dtype=np.int64)
         self.logprobs = LogprobBook(num_slots, self.tokens.shape[1], vocab_size)
 
     def free_slots(self) -> np.ndarray:
@@ -93,30 +111,26 @@ class SlotTable:
         return self._paths(slots, np.zeros(len(slots), dtype=np.int64))
 
     def _paths(self, slots: np.ndarray, produced: np.ndarray) -> SamplingPaths:
-        early = self.min_new[slots] > produced        # the next token may not be a stop (min_tokens)
+        s = self.settings
+        early = s["min_new"][slots] > produced        # the next token may not be a stop (min_tokens)
         # A budget may still force tokens (conservative: the host does not look for an earlier think end).
-        forcing = self.forced_until[slots] >= produced
-        return SamplingPaths(bool(self.filtered[slots].any()), bool(self.greedy[slots].all()), bool(early.any()),
-                             bool(forcing.any()))
+        think_at = s["think_at"][slots]
+        forcing = (think_at >= 0) & (think_at + s["think_span"][slots] - 1 >= produced)
+        return SamplingPaths(all_greedy=bool(s["greedy"][slots].all()), min_tokens=bool(early.any()),
+                             thinking=bool(forcing.any()), **s.paths(slots))
 
-    def admit(self, slots: np.ndarray, requests: list[Request]) -> None:
-        """Seat ``requests`` in ``slots`` with fresh counters."""
+    def admit(self, slots: np.ndarray, requests: list[Request], params: SlotParams) -> None:
+        """Seat ``requests`` (their settings ``params``) in ``slots`` with fresh counters."""
         for slot, req in zip(slots.tolist(), requests):  # SYNC: none (host numpy)
             self.requests[slot] = req
             req.slot = slot
         self.busy_mask[slots] = True
-        for arr in (self.count, self.cycles, self.accepted, self.drafted, self.verified, self.ar_steps, self.hist,
-                    self.thinking_cycles, self.thinking_ar_steps, self.thinking_accepted):
-            arr[slots] = 0
+        self.counters.reset(slots)
+        self.settings.admit(slots, params)
         self.thinking[slots] = [r.reasoning is not None for r in requests]
         self.think_end = next((r.reasoning.end for r in requests if r.reasoning is not None), self.think_end)
         self.prompt_len[slots] = [len(r.prompt) for r in requests]
-        self.limit[slots] = np.minimum([r.params.max_new_tokens for r in requests], self.capacity - self.prompt_len[slots])
-        self.greedy[slots] = [r.params.greedy for r in requests]
-        self.min_new[slots] = [r.params.min_tokens for r in requests]
-        self.forced_until[slots] = [r.think_at + r.think_span - 1 if r.think_at >= 0 else -1 for r in requests]
-        self.filtered[slots] = [not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1)
-                                for r in requests]
+        self.limit[slots] = np.minimum(params["max_new"], self.capacity - self.prompt_len[slots])
         self.has_stops[slots] = [bool(r.params.stop) for r in requests]
         self.logprobs.admit(slots, requests)
 
@@ -151,17 +165,18 @@ class SlotTable:
         # began this iteration in its reasoning phase (a first token, sampled before it, may have ended it)
         thinking = live & self.thinking[slots] & (out.first != self.think_end)
         self.thinking[slots] &= ~(((out.emitted == self.think_end) & keep).any(1) | (out.first == self.think_end))
+        c = self.counters
         if not block_size:
-            self.ar_steps[slots] += live
-            self.thinking_ar_steps[slots] += thinking
+            c.ar_steps[slots] += live
+            c.thinking_ar_steps[slots] += thinking
             return Recorded(slots[ended], out.reason[ended], int(live.sum()), int(live.sum()))
-        self.cycles[slots] += live
-        self.drafted[slots] += live * (block_size - 1)
-        self.accepted[slots] += out.n_acc
-        self.verified[slots] += out.n_ver
-        self.thinking_cycles[slots] += thinking
-        self.thinking_accepted[slots] += out.n_acc * thinking
-        np.add.at(self.hist, (slots[live], out.n_acc[live]), 1)
+        c.cycles[slots] += live
+        c.drafted[slots] += live * (block_size - 1)
+        c.accepted[slots] += out.n_acc
+        c.verified[slots] += out.n_ver
+        c.thinking_cycles[slots] += thinking
+        c.thinking_accepted[slots] += out.n_acc * thinking
+        np.add.at(c.hist, (slots[live], out.n_acc[live]), 1)
         n_live = int(live.sum())
         return Recorded(slots[ended], out.reason[ended], int(out.n_acc[live].sum()) + n_live, n_live,
                         int(out.n_ver[live].sum()))
@@ -178,15 +193,16 @@ class SlotTable:
         assert req is not None, f"slot {slot} is empty"
         count = int(self.count[slot])
         keep = count if keep is None else keep
-        c, a = int(self.cycles[slot]), int(self.ar_steps[slot])
-        stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(self.drafted[slot]),
-                         num_accepted_draft_tokens=int(self.accepted[slot]),
-                         accept_length_histogram=self.hist[slot].tolist(), num_ar_steps=a,  # SYNC: none (host numpy)
+        k = self.counters
+        c, a = int(k.cycles[slot]), int(k.ar_steps[slot])
+        stats = RowStats(num_cycles=c, num_forward_passes=1 + 2 * c + a, num_draft_tokens=int(k.drafted[slot]),
+                         num_accepted_draft_tokens=int(k.accepted[slot]),
+                         accept_length_histogram=k.hist[slot].tolist(), num_ar_steps=a,  # SYNC: none (host numpy)
                          num_tokens_after_stop=0 if end is None else count - end,
-                         num_reasoning_cycles=int(self.thinking_cycles[slot]),
-                         num_reasoning_ar_steps=int(self.thinking_ar_steps[slot]),
-                         num_reasoning_accepted_draft_tokens=int(self.thinking_accepted[slot]),
-                         num_verified_draft_tokens=int(self.verified[slot]))
+                         num_reasoning_cycles=int(k.thinking_cycles[slot]),
+                         num_reasoning_ar_steps=int(k.thinking_ar_steps[slot]),
+                         num_reasoning_accepted_draft_tokens=int(k.thinking_accepted[slot]),
+                         num_verified_draft_tokens=int(k.verified[slot]))
         tokens = self.tokens[slot, :keep].tolist()  # SYNC: none (host numpy)
         self.requests[slot] = None
         self.busy_mask[slot] = False
