@@ -191,6 +191,9 @@ class SamplingConfig(_Section):
         if self.min_tokens and self.structured is not None:
             raise ValueError("min_tokens cannot be combined with structured: a complete grammar may allow only EOS, "
                              "which min_tokens forbids")
+        if self.ignore_eos and self.structured is not None:
+            raise ValueError("ignore_eos cannot be combined with structured: a constrained row ends by EOS where its "
+                             "grammar is complete")
         return self
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -159,11 +160,18 @@ class HostDataSpy(TorchDispatchMode):
 @pytest.mark.parametrize("spec", [True, False], ids=["cycle", "ar-step"])
 @pytest.mark.parametrize("all_greedy", [True, False], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("logprobs", [None, 3], ids=["no-logprobs", "logprobs"])
-def test_static_iteration_takes_no_host_data(model, spec, all_greedy, logprobs):
-    """What a CUDA graph captures must not build tensors from host values (capture precondition)."""
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "penalties"])
+def test_static_iteration_takes_no_host_data(model, spec, all_greedy, logprobs, options):
+    """What a CUDA graph captures must not build tensors from host values (capture precondition);
+    also with penalties, a logit bias and min_p (their paths on)."""
     engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
-    engine.generate(PROMPTS[:2], GREEDY if all_greedy else SAMPLED[:2])
-    it = Iteration(engine.block_size if spec else 0, np.arange(4), 0, SamplingPaths(not all_greedy, all_greedy))
+    params = GREEDY if all_greedy else SAMPLED[:2]
+    if options:
+        params = [replace(p, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias=((3, 1.0),), min_p=0.1)
+                  for p in (params if isinstance(params, list) else [params] * 2)]
+    engine.generate(PROMPTS[:2], params)
+    paths = SamplingPaths(not all_greedy, all_greedy, min_p=options and not all_greedy, penalties=options, bias=options)
+    it = Iteration(engine.block_size if spec else 0, np.arange(4), 0, paths)
     plan = engine.runner.plan(it, logprobs, NONE).plan
     spy = HostDataSpy()
     with torch.inference_mode(), spy:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
@@ -134,3 +135,36 @@ def test_sampled_options_match_the_penalised_ar_distribution():
     assert set(counts) <= set(exact), "sampled a sequence the penalised AR model gives zero mass"
     assert chi2_pvalue(counts, exact, N) > 1e-3
     assert chi2_pvalue(counts, _exact(model, {}), N) < 1e-6                  # the check has power
+
+
+def _mixed(temperature: float) -> list[SamplingParams]:
+    """Rows with and without options, seeded (sampled rows are then reproducible run to run)."""
+    return [SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, seed=i, **o) for i, o in enumerate(OPTIONS)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_static_shapes_and_one_host_read_with_options(model, temperature):
+    """The static path (what CUDA graphs capture) gives the eager path's tokens with options, and
+    the options add no device→host read (one per step that reads) and no host→device copy beyond
+    one per step and one per admitting step."""
+    from orthrus.testing.host_syncs import count_host_reads
+
+    params = _mixed(temperature)
+    eager = OrthrusEngine(model, max_batch_size=4, static_shapes=False).generate(PROMPTS, params, speculative=True)
+    engine = OrthrusEngine(model, max_batch_size=4, static_shapes=True)
+    with count_host_reads() as reads:
+        static = engine.generate(PROMPTS, params, speculative=True)
+    assert [r.token_ids for r in static] == [r.token_ids for r in eager]
+    stats = engine.stats
+    assert dict(reads) == {"cpu": stats.read_steps, "h2d_async": stats.read_steps + stats.admitting_steps}
+
+
+def test_rows_without_options_keep_their_paths_and_hold_no_counts(model):
+    """A batch without penalties never allocates the [B, V] counts nor turns a path on."""
+    engine = OrthrusEngine(model, max_batch_size=3)
+    engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=4, temperature=0.5, seed=1))
+    assert engine.runner.state.counts is None
+    seated = engine.scheduler.table.settings
+    assert seated.paths(np.arange(3)) == {"filtered": False, "min_p": False, "penalties": False, "bias": False}
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, presence_penalty=0.5))
+    assert engine.runner.state.counts is not None

@@ -191,3 +191,50 @@ def test_each_setting_is_built_once_from_processor_rows(builds):
     assert [e for i, e in enumerate(errors) if i != 2] == [None] * 5
     seeds = out["seed"].to_pylist()
     assert seeds[1] == 1 and len({seeds[0], seeds[3], seeds[4], seeds[5]}) == 4
+
+
+def _openai_rows(tmp_path: Path, bodies: list[dict]) -> pa.Table:
+    """OpenAI batch requests (completions) staged and preprocessed as the job does."""
+    staged = [request_row({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b}, None, i + 1,
+                          "b.jsonl")[0] for i, b in enumerate(bodies)]
+    (tmp_path / "oa").mkdir()
+    pq.write_table(pa.Table.from_pylist(staged, schema=openai_batch.SCHEMA), tmp_path / "oa" / "staged.parquet")
+    return _job_rows(load_config(None, data={"input": {"paths": [str(tmp_path / "oa")]},
+                                             "output": {"path": str(tmp_path / "o")}, "model": {"path": str(MODEL)},
+                                             "prompt": {"chat_template": "off"}, "sampling": {"max_new_tokens": 16}}))
+
+
+def test_penalties_and_logit_bias_through_the_job_the_processor_and_an_openai_batch(stage, tmp_path):
+    """The options synthetic-data jobs send give rows from every source (the same greedy tokens from
+    each), change what they should, and a bad value is that row's error naming the user's key."""
+    plan = PreparePlan(ModelConfig(path=str(MODEL)), StorageConfig(), ChatTemplate("off"))
+    prompt = "def fib(n):"
+    (free,) = _generated(stage, prepare_batch(pa.table({"prompt": [prompt], "sampling_params": [{"max_tokens": 16}]}),
+                                              plan))
+    banned = free["generated_tokens"][0]
+    options = {"frequency_penalty": 0.3, "repetition_penalty": 1.3}
+    processor, bad_rep = _generated(stage, prepare_batch(pa.table({"prompt": [prompt] * 2, "sampling_params": [
+        {"max_tokens": 16, **options, "logit_bias": {str(banned): -100.0}}, {"max_tokens": 16, "repetition_penalty": 0.0}]}),
+        plan))
+    assert processor["error"] is None and processor["generated_tokens"][0] != banned
+    assert bad_rep["error"].startswith("sampling_params.repetition_penalty must be a finite number > 0")
+    bias = pa.array([[(banned, -100.0)], [(banned, -100.0)]], pa.map_(pa.int64(), pa.float64()))
+    job = _job_rows(_job(tmp_path, {"max_new_tokens": 16}, prompt=[prompt] * 2, frequency_penalty=[0.3, 3.0],
+                         repetition_penalty=[1.3, 1.3], logit_bias=bias))
+    assert job["error"].to_pylist()[1] == "column 'frequency_penalty' must be a number in [-2, 2] (0 = off), got 3.0"
+    openai = _openai_rows(tmp_path, [{"prompt": prompt, "max_tokens": 16, **options, "logit_bias": {str(banned): -100}},
+                                     {"prompt": prompt, "logit_bias": {"x": 1}}])
+    assert openai["error"].to_pylist()[1] == "line 2 of b.jsonl: body.logit_bias key must be an integer, got 'x'"
+    for table in (job.slice(0, 1), openai.slice(0, 1)):
+        (row,) = _generated(stage, table)
+        assert row["error"] is None and row["generated_tokens"] == processor["generated_tokens"]
+
+
+def test_ignore_eos_and_min_p_from_the_config(stage, tmp_path):
+    """``ignore_eos`` in the job config: a row that greedy decoding ends at EOS runs to max_new_tokens."""
+    cfg = _job(tmp_path, {"max_new_tokens": 20, "ignore_eos": True, "min_p": 0.05}, prompt=[EARLY_EOS])
+    (row,) = _generated(stage, _job_rows(cfg))
+    assert row["error"] is None and row["num_generated_tokens"] == 20 and row["finish_reason"] == "length"
+    assert stage.eos_ids.intersection(row["generated_tokens"])            # it went on past an EOS
+    with pytest.raises(ConfigError, match="ignore_eos"):
+        _job(tmp_path, {"ignore_eos": True, "structured": {"regex": "a"}}, prompt=["a"])

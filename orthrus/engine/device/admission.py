@@ -39,9 +39,10 @@ def seat(adm: Admission, staging: HostStaging, st: SlotState) -> PrefixCopy | No
     for s in SETTINGS:
         getattr(st, s.name)[slots] = d[f"s.{s.name}"]
     if len(adm.penalized):
-        st.counts[d["penalized"]] = 0
-        st.seen[d["penalized"]] = False
-        st.seen[d["seen_slots"], d["seen_tokens"]] = True
+        # index_fill_/index_put_ with device values: no Python scalar staged (testing/host_syncs.py)
+        st.counts.index_fill_(0, d["penalized"], 0)
+        st.seen.index_fill_(0, d["penalized"], False)
+        st.seen.index_put_((d["seen_slots"], d["seen_tokens"]), torch.ones_like(d["seen_slots"], dtype=torch.bool))
     return prefix_copy("", adm.copies, d)
 
 
