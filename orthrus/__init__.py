@@ -8,6 +8,7 @@ constraints; their grammar masks live in ``orthrus.engine.host.grammar``). Train
 """
 from orthrus.constraints import Constraint, ConstraintError
 from orthrus.engine import EngineStats, EngineStepError, FinishReason, GenerationResult, KVPages, RequestOutput
+from orthrus.engine.settings import EngineSettings
 from orthrus.metrics import tokens_per_cycle
 from orthrus.params import RowStats, SamplingParams
 from orthrus.reasoning import ReasoningTokens
@@ -29,5 +30,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'orthrus' has no attribute {name!r}")
 
 
-__all__ = ["Constraint", "ConstraintError", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "KVPages", "OrthrusEngine", "OrthrusForCausalLM",
+__all__ = ["Constraint", "ConstraintError", "EngineSettings", "EngineStats", "EngineStepError", "FinishReason", "GenerationResult", "KVPages", "OrthrusEngine", "OrthrusForCausalLM",
            "ReasoningTokens", "RequestOutput", "RowStats", "SamplingParams", "check_structured", "tokens_per_cycle"]

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orthrus import EngineSettings
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending field (``section.field``)."""
@@ -214,9 +216,11 @@ class EngineKwargs(_Section):
         "Attention kernel over the KV cache: 'flash' = FlashAttention's flash_attn_with_kvcache with "
         "per-row lengths (needs GPU replicas, bf16/fp16 and the flash-attn package); 'sdpa' = PyTorch "
         "SDPA with a ragged mask; 'auto' = flash where it can run, sdpa elsewhere."))
-    cuda_graphs: bool = Field(True, description=(
-        "On GPU replicas (flash or SDPA), pad each decode iteration to static shapes and replay it as a "
-        "captured CUDA graph (one launch per iteration instead of thousands). Ignored on CPU."))
+    static_shapes: bool | None = Field(None, description=(
+        "Pad each decode iteration to static shapes, so that on GPU replicas (flash or SDPA) it is captured "
+        "once as a CUDA graph and replayed (one launch per iteration instead of thousands). None: on for GPU "
+        "replicas, off on CPU; false: eager everywhere; true: the static path on CPU too (for tests). "
+        "(Formerly cuda_graphs: true/false, still accepted.)"))
     prefix_cache: bool = Field(True, description=(
         "A prompt that shares leading whole KV pages of tokens with a prompt the cache holds (the n samples "
         "of a row, a common system prompt) shares those pages instead of prefilling them again (a running "
@@ -246,6 +250,24 @@ class EngineKwargs(_Section):
         "exactly the AR model's. It adapts where every row of a cycle is greedy, or with speculative: "
         "auto (a sampled row's draws depend on it, so seeded sampled rows under fixed speculation "
         "verify every draft). False: every draft is verified."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _formerly_cuda_graphs(cls, data: Any) -> Any:
+        # The setting's name before it took the engine's (one name from the YAML to the engine).
+        if isinstance(data, dict) and "cuda_graphs" in data:
+            data = dict(data)
+            graphs = data.pop("cuda_graphs")
+            if "static_shapes" in data:
+                raise ValueError("cuda_graphs is the former name of static_shapes: give one of them")
+            data["static_shapes"] = None if graphs is True else graphs
+        return data
+
+    def engine_settings(self, **chosen: Any) -> EngineSettings:
+        """The engine's settings of the same names (``orthrus.EngineSettings``), with ``chosen`` ones
+        (the actor's own slot count or mode) over them."""
+        given = {name: getattr(self, name) for name in EngineSettings.names() if name in type(self).model_fields}
+        return EngineSettings(**{**given, **chosen})
 
     @model_validator(mode="after")
     def _flash_needs_half_precision(self) -> "EngineKwargs":

@@ -16,6 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from orthrus.engine.host.requests import Request
 from orthrus.engine.host.scheduler import Scheduler
 from orthrus.engine.host.stop_strings import StopStringScanner
 from orthrus.engine.outputs import EngineStats, EngineStepError, KVPages, RequestOutput
+from orthrus.engine.settings import EngineSettings, check_mode
 from orthrus.model.backends import AttentionBackend
 from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
@@ -35,22 +37,16 @@ from orthrus.params import SamplingParams
 from orthrus.reasoning import ReasoningTokens
 
 
-DEFAULT_MAX_SEQ_LEN = 8192
-# Tokens one step's AR forward computes at most (the running rows' blocks first, then prompt
-# chunks): vLLM's ``max_num_batched_tokens``. On a GPU a larger forward still fills the device
-# better; on a CPU 2,048 tokens is past the point where a bigger batch pays (the forward is
-# compute-bound there), and it bounds how long running rows wait behind a long prompt.
-DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
-ATTENTION_KERNELS = ("auto", "sdpa", "flash")
-SPECULATIVE_MODES = (True, False, "auto")
-
-
 class OrthrusEngine:
     """At most ``max_batch_size`` rows in flight over one model and one paged KV cache allocated up front.
 
+    Built from :class:`~orthrus.engine.settings.EngineSettings` (``settings``), each overridden by a
+    keyword of its name (``OrthrusEngine(model, max_batch_size=16)``); ``self.settings`` is the
+    resolved record. The settings:
+
     ``max_seq_len`` is the context limit (prompt + generated tokens); a row holds one extra block
     as scratch for the draft/verify writes. It defaults to the model's ``max_position_embeddings``
-    capped at ``DEFAULT_MAX_SEQ_LEN``. ``kv_cache_tokens``: the page pool's size in token positions
+    capped at ``settings.DEFAULT_MAX_SEQ_LEN``. ``kv_cache_tokens``: the page pool's size in token positions
     (at least one row at full length); rows take pages as they grow, share prompt-prefix pages, and
     the newest rows are preempted (their K/V recomputed later, every token kept) when the pool runs
     short. None: every slot at full length on a CPU (nothing is ever preempted), what free memory
@@ -88,47 +84,39 @@ class OrthrusEngine:
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
     """
 
-    def __init__(self, model: OrthrusForCausalLM, max_batch_size: int = 8, block_size: int | None = None,
-                 max_seq_len: int | None = None, proposer: Proposer | None = None,
-                 attention: str | AttentionBackend = "auto",
-                 static_shapes: bool | None = None, speculative: bool | str = True, tokenizer=None,
-                 key_bucket: int | None = None, prefix_cache: bool = True,
-                 reasoning: ReasoningTokens | bool = True, kv_cache_tokens: int | None = None,
-                 max_num_batched_tokens: int | None = None, adaptive_verify: bool = True) -> None:
+    def __init__(self, model: OrthrusForCausalLM, settings: EngineSettings | None = None, *, tokenizer=None,
+                 proposer: Proposer | None = None, reasoning: ReasoningTokens | bool = True, **overrides) -> None:
+        # ``overrides``: settings by name (``OrthrusEngine(model, max_batch_size=16)``), over ``settings``;
+        # a name EngineSettings does not have is a TypeError naming it.
+        unknown = set(overrides) - set(EngineSettings.names())
+        if unknown:
+            raise TypeError(f"OrthrusEngine got unknown settings {sorted(unknown)}; "
+                            f"EngineSettings has {list(EngineSettings.names())}")
         cfg = model.config
-        _check_mode(speculative)
-        self.block_size = int(block_size if block_size is not None else model.block_size)
-        self.max_seq_len = int(max_seq_len if max_seq_len is not None
-                               else min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
-        _check_sizes(max_batch_size, self.block_size, self.max_seq_len, attention)
         device_type = next(model.parameters()).device.type
-        budget = DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"]) \
-            if max_num_batched_tokens is None else max_num_batched_tokens
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
-        self.max_num_batched_tokens = budget
+        base = settings if settings is not None else EngineSettings()
+        self.settings = replace(base, **overrides).resolved(model.block_size, cfg.max_position_embeddings, device_type)
+        s = self.settings
+        self.block_size, self.max_seq_len, self.max_batch_size = s.block_size, s.max_seq_len, s.max_batch_size
+        self.max_num_batched_tokens = s.max_num_batched_tokens
         self.model = model.eval()
-        self.max_batch_size = max_batch_size
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids: tuple[int, ...] = model.eos_token_ids
         self.reasoning = _reasoning_tokens(reasoning, tokenizer)
-        self.runner = ModelRunner.create(model, max_batch_size, self.block_size, self.max_seq_len, attention,
-                                         static_shapes, key_bucket, proposer, len(self.eos_token_ids) + 8,
-                                         self.reasoning.forced if self.reasoning else (), kv_cache_tokens)
+        self.runner = ModelRunner.create(model, s, proposer, len(self.eos_token_ids) + 8,
+                                         self.reasoning.forced if self.reasoning else ())
         # Read-only copies of the runner's choices (it never changes them), for callers and reports.
         self.device = self.runner.cache.lengths.device
         self.attention = self.runner.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
         self.static_shapes = self.runner.static_shapes
-        self.speculative = speculative
+        self.speculative = s.speculative
         # Grammar matchers of constrained rows (host); structured output needs the tokenizer's bytes.
-        grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size,
+        grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, s.max_batch_size,
                                 self.reasoning.end if self.reasoning else None)
         self.checks = RequestChecks(self.vocab_size, self.max_seq_len, tokenizer is not None, grammars)
         cache = self.runner.cache
-        self.scheduler = Scheduler(max_batch_size, self.block_size, self.max_seq_len, self.vocab_size,
-                                   self.eos_token_ids, grammars, StopStringScanner(tokenizer) if tokenizer else None,
-                                   prefix_cache, speculative, cache.num_pages, cache.page_size, budget,
-                                   bool(adaptive_verify))
+        self.scheduler = Scheduler(s, self.vocab_size, grammars, StopStringScanner(tokenizer) if tokenizer else None,
+                                   cache.num_pages, cache.page_size)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt/params pair cannot be generated."""
@@ -226,7 +214,7 @@ class OrthrusEngine:
         ``speculative`` overrides the engine's mode for this call (None = the engine's).
         """
         mode = self.speculative if speculative is None else speculative
-        _check_mode(mode)
+        check_mode(mode)
         if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine; this one has unfinished requests (use step())")
         plist = self._validate(prompts, params)
@@ -263,22 +251,6 @@ class OrthrusEngine:
     def backend(self) -> AttentionBackend:
         """The attention backend chosen at construction."""
         return self.runner.backend
-
-def _check_sizes(max_batch_size: int, block_size: int, max_seq_len: int, attention: str | AttentionBackend) -> None:
-    if not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {block_size}")
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    if not isinstance(attention, AttentionBackend) and attention not in ATTENTION_KERNELS:
-        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
-
-
-def _check_mode(speculative: bool | str) -> None:
-    if speculative not in SPECULATIVE_MODES or not isinstance(speculative, (bool, str)):
-        raise ValueError(f"speculative must be True, False or 'auto', got {speculative!r}")
-
 
 def _reasoning_tokens(reasoning: ReasoningTokens | bool, tokenizer) -> ReasoningTokens | None:
     """The think tokens requests' reasoning phases are tracked with: given, the tokenizer's (True), or none."""

@@ -101,12 +101,9 @@ class GenerationStage:
 
     def _engine(self, model: OrthrusForCausalLM, slots: int, speculative: bool | str,
                 kv_cache_tokens: int | None = None) -> OrthrusEngine:
-        e = self.plan.engine
-        return OrthrusEngine(model, max_batch_size=slots, block_size=e.block_size, max_seq_len=e.max_seq_len,
-                             attention=e.attention, static_shapes=None if e.cuda_graphs else False,
-                             speculative=speculative, tokenizer=self.tokenizer, prefix_cache=e.prefix_cache,
-                             kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=e.max_num_batched_tokens,
-                             adaptive_verify=e.adaptive_verify)
+        settings = self.plan.engine.engine_settings(max_batch_size=slots, speculative=speculative,
+                                                    kv_cache_tokens=kv_cache_tokens)
+        return OrthrusEngine(model, settings, tokenizer=self.tokenizer)
 
     async def _before_batch(self) -> None:
         """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""

@@ -113,3 +113,32 @@ def test_rows_per_call_are_sized_by_work_unless_set(max_new, rows):
             "sampling": {"max_new_tokens": max_new}}
     assert load_config(None, data=base).batch_rows == rows
     assert load_config(None, data={**base, "engine": {"batch_size": 7}}).batch_rows == 7
+
+
+def test_engine_settings_keep_one_name_from_the_yaml_to_the_engine():
+    """Every engine setting a job can set has the engine's own name, and maps onto it by name
+    (``key_bucket`` is the engine's test knob, not a job setting)."""
+    from orthrus import EngineSettings
+    from pipeline.config import EngineKwargs
+
+    assert set(EngineSettings.names()) - {"key_bucket"} <= set(EngineKwargs.model_fields)
+    e = EngineKwargs(max_batch_size=3, block_size=4, static_shapes=False, max_num_batched_tokens=64,
+                     adaptive_verify=False, speculative="auto")
+    s = e.engine_settings(max_batch_size=5)
+    assert (s.max_batch_size, s.block_size, s.static_shapes, s.max_num_batched_tokens, s.adaptive_verify,
+            s.speculative) == (5, 4, False, 64, False, "auto")
+    # the former name still reads: true = the default (on for GPU), false = eager
+    assert EngineKwargs(cuda_graphs=False).static_shapes is False and EngineKwargs(cuda_graphs=True).static_shapes is None
+    with pytest.raises(ValueError, match="former name of static_shapes"):
+        EngineKwargs(cuda_graphs=False, static_shapes=True)
+
+
+def test_engine_settings_are_checked_naming_the_field():
+    from orthrus import EngineSettings
+
+    for bad, field in (({"max_batch_size": 0}, "max_batch_size"), ({"block_size": 1}, "block_size"),
+                       ({"speculative": "yes"}, "speculative"), ({"attention": "xformers"}, "attention"),
+                       ({"max_num_batched_tokens": 0}, "max_num_batched_tokens")):
+        with pytest.raises(ValueError, match=field):
+            EngineSettings(**bad).resolved(4, 128, "cpu")
+    assert EngineSettings().resolved(4, 128, "cpu").max_seq_len == 128

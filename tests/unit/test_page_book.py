@@ -12,6 +12,7 @@ from orthrus.engine.host.pages import PagePool
 from orthrus.engine.host.prefix_cache import PageIndex, block_hashes
 from orthrus.engine.host.requests import Request
 from orthrus.engine.host.scheduler import Scheduler
+from orthrus.engine.settings import EngineSettings
 from orthrus.engine.step import ScheduledStep, StepOutput
 from orthrus.params import SamplingParams
 
@@ -64,7 +65,9 @@ def test_paused_rows_wait_first_preempted_last_in_line_and_mask_their_slots():
 
 
 def _scheduler(rows: int, pages: int, prefix_cache: bool) -> Scheduler:
-    sched = Scheduler(rows, K, 120, 64, (0,), SlotGrammars(None, 64, (0,), rows), None, prefix_cache, True, pages, G, 48)
+    settings = EngineSettings(max_batch_size=rows, block_size=K, max_seq_len=120, prefix_cache=prefix_cache,
+                              max_num_batched_tokens=48)
+    sched = Scheduler(settings, 64, SlotGrammars(None, 64, (0,), rows), None, pages, G)
     rng = np.random.default_rng(rows)
     shared = rng.integers(1, 60, 2 * G).tolist()
     for i in range(rows):

@@ -25,6 +25,7 @@ from orthrus.engine.device.slot_state import SlotState
 from orthrus.engine.device.staging import HostStaging
 from orthrus.engine.packed import Packed
 from orthrus.engine.row_settings import RAGGED
+from orthrus.engine.settings import EngineSettings
 from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.model.backends import AttentionBackend, choose_backend
 from orthrus.engine.device.kv_sizing import check_pool, pool_tokens
@@ -63,22 +64,22 @@ class ModelRunner:
         self.draft_readback = torch.empty(self.num_slots * block, dtype=torch.long, pin_memory=device.type == "cuda")
 
     @classmethod
-    def create(cls, model: OrthrusForCausalLM, num_slots: int, block_size: int, max_seq_len: int,
-               attention: str | AttentionBackend, static_shapes: bool | None, key_bucket: int | None,
-               proposer: Proposer | None, stop_width: int, forced_thinking: tuple[int, ...] = (),
-               kv_cache_tokens: int | None = None) -> ModelRunner:
-        """Allocate everything once: the paged cache (``kv_cache_tokens`` positions in pages of the
-        backend's size, ``kv_sizing.pool_tokens`` when None; each slot addresses ``max_seq_len`` plus
-        one scratch block), the slot state, and the backend ``attention`` names ("auto" | "sdpa" |
-        "flash") or is. ``forced_thinking``: the tokens a spent thinking budget forces (the think
-        end first; () none)."""
+    def create(cls, model: OrthrusForCausalLM, settings: EngineSettings, proposer: Proposer | None, stop_width: int,
+               forced_thinking: tuple[int, ...] = ()) -> ModelRunner:
+        """Allocate everything once for resolved ``settings``: the paged cache (``kv_cache_tokens``
+        positions in pages of the backend's size, ``kv_sizing.pool_tokens`` when None; each slot
+        addresses ``max_seq_len`` plus one scratch block), the slot state (``stop_width`` stop ids to
+        start with), and the backend ``attention`` names ("auto" | "sdpa" | "flash") or is.
+        ``forced_thinking``: the tokens a spent thinking budget forces (the think end first; () none)."""
+        num_slots, block_size, max_seq_len = settings.max_batch_size, settings.block_size, settings.max_seq_len
+        attention, static_shapes, kv_cache_tokens = settings.attention, settings.static_shapes, settings.kv_cache_tokens
         cfg, param = model.config, next(model.parameters())
         device, attn = param.device, model.model.layers[0].self_attn
         if not isinstance(attention, AttentionBackend):
             # Eager SDPA on a GPU attends to key lengths in multiples of KEY_BUCKET: kernel plans
             # (cuDNN) are built per shape, and the exact length changes almost every iteration. On a
             # CPU the extra (masked) keys would only cost compute, so lengths stay exact there.
-            bucket = key_bucket or (KEY_BUCKET if device.type == "cuda" else 1)
+            bucket = settings.key_bucket or (KEY_BUCKET if device.type == "cuda" else 1)
             attention = choose_backend(attention, device, param.dtype, attn.num_heads, attn.num_kv_heads,
                                        attn.head_dim, bucket)
         capacity, page = max_seq_len + block_size, attention.page_size

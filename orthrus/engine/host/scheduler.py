@@ -27,6 +27,7 @@ from orthrus.engine.host.speculation import Speculation
 from orthrus.engine.host.stop_strings import StopHit, StopStringScanner
 from orthrus.engine.outputs import EngineStats, FinishReason, RequestOutput
 from orthrus.engine.row_settings import seen_prompts, slot_params
+from orthrus.engine.settings import EngineSettings
 from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.params import RowStats
 
@@ -42,13 +43,14 @@ class Scheduler:
     before each step every running row gets pages for its committed length plus one block, the
     newest rows giving theirs back (preempted) when the pool is short (``_make_room``)."""
 
-    def __init__(self, num_slots: int, block_size: int, max_seq_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], grammars: SlotGrammars, stops: StopStringScanner | None,
-                 prefix_cache: bool, mode: bool | str, num_pages: int, page_size: int,
-                 max_num_batched_tokens: int, adaptive_verify: bool = True) -> None:
+    def __init__(self, settings: EngineSettings, vocab_size: int, grammars: SlotGrammars,
+                 stops: StopStringScanner | None, num_pages: int, page_size: int) -> None:
+        """For resolved ``settings`` (``EngineSettings.resolved``), over ``num_pages`` KV pages."""
+        num_slots, block_size, max_seq_len = settings.max_batch_size, settings.block_size, settings.max_seq_len
+        prefix_cache, mode, adaptive_verify = settings.prefix_cache, settings.speculative, settings.adaptive_verify
         self.num_slots, self.block_size, self.max_seq_len, self.vocab_size = num_slots, block_size, max_seq_len, vocab_size
         self.capacity = max_seq_len + block_size
-        self.eos_token_ids, self.grammars, self.stops = eos_token_ids, grammars, stops
+        self.grammars, self.stops = grammars, stops
         # The block size and verify share of each iteration, and the policies that choose them.
         self.speculation = Speculation(block_size, mode, adaptive_verify)
         # The prefix cache (prefix_cache.py): whole prompt pages by hash, running slots by prompt.
@@ -60,7 +62,7 @@ class Scheduler:
         # Seated rows still computing their K/V, in chunks within each step's token budget, and (with
         # the prefix cache) the new ones among them by prompt: a seat sharing their prefix shares
         # their pages and computes after them (admission.py).
-        self.budget = max_num_batched_tokens
+        self.budget = settings.max_num_batched_tokens
         self.prefilling = Prefilling(num_slots)
         self.pending = PrefixIndex(page_size) if prefix_cache else None
         self.order = np.zeros(num_slots, dtype=np.int64)   # when each slot's row was admitted (newest: largest)
