@@ -212,7 +212,7 @@ def test_batch_records_and_metrics_count_prefilled_and_prefix_cache_hit_tokens(t
     import pipeline.actor.stage as stage_module
 
     built, engine = [], stage_module.OrthrusEngine
-    monkeypatch.setattr(stage_module, "OrthrusEngine", lambda *a, **kw: built.append(kw["prefix_cache"]) or engine(*a, **kw))
+    monkeypatch.setattr(stage_module, "OrthrusEngine", lambda *a, **kw: built.append(a[1].prefix_cache) or engine(*a, **kw))
     _stage(job_config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"}, engine={"prefix_cache": False}))
     assert built == [False]
 
