@@ -10,8 +10,10 @@ columns the actor appends (``actor/stage.py``), the footers' sums and sketches (
 
 A new per-row engine counter is one row here, e.g.
 ``OutputColumn("num_x", pa.int64(), "engine", "what it counts", take="stats.num_x", stat="sum")``.
-The table's order is the job's Parquet column order: existing outputs and ``--resume`` rely on it,
-so a new column goes where it reads best only before any output has it; the safe place is last.
+The table's order is the job's Parquet column order. A column that outputs already hold keeps its
+name, type and place relative to the others (``tests/unit/test_output_columns.py`` holds them to
+it: a resumed directory mixes parts of both versions); a new column may go anywhere, since reading
+the directory unifies its parts' schemas by name.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ def _text(r: RequestOutput, p: SamplingParams, eos: frozenset) -> str | None:
 
 _C, _I64, _F64, _STR = OutputColumn, pa.int64(), pa.float64(), pa.string()
 
-# In the job's Parquet column order (see the module docstring before moving a row).
+# In the job's Parquet column order (the module docstring says which rows may move).
 COLUMNS: tuple[OutputColumn, ...] = (
     _C("id", _STR, "input", "the input row's id", processor=False),
     _C("sample_index", _I64, "input", "which of the row's n samples", processor=False),
