@@ -8,56 +8,17 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# One of the k most likely tokens at a generated position (``top_logprobs``).
-TOP_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.float32())])
+# TEXT_IDS and ENGINE_TEXT (engine -> detokenize) are internal columns of the table; named here too.
+from pipeline.columns import COLUMNS, ENGINE_TEXT, TEXT_IDS, TOP_LOGPROB  # noqa: F401
 
-# The output contract (issue: "Output columns"), in file order.
-OUTPUT_FIELDS: tuple[pa.Field, ...] = (
-    pa.field("id", pa.string()),
-    pa.field("sample_index", pa.int64()),
-    pa.field("completion", pa.string()),             # a reasoning row's answer only (after its think end)
-    pa.field("reasoning", pa.string()),              # its think block's text; null without a reasoning phase
-    pa.field("finish_reason", pa.string()),          # "stop" | "length" | "error"
-    pa.field("error", pa.string()),                  # null unless finish_reason == "error"
-    pa.field("num_prompt_tokens", pa.int64()),
-    pa.field("num_completion_tokens", pa.int64()),
-    pa.field("num_reasoning_tokens", pa.int64()),    # of those, up to and including the think end
-    pa.field("num_cycles", pa.int64()),
-    pa.field("num_forward_passes", pa.int64()),
-    pa.field("num_draft_tokens", pa.int64()),
-    pa.field("num_accepted_draft_tokens", pa.int64()),
-    pa.field("num_verified_draft_tokens", pa.int64()),    # of the drafts, those the verifier computed
-    pa.field("tokens_per_cycle", pa.float64()),
-    pa.field("accept_length_histogram", pa.list_(pa.int64())),
-    pa.field("num_tokens_after_stop", pa.int64()),   # decoded past a stop string, not in the completion
-    pa.field("num_reasoning_cycles", pa.int64()),    # of the cycles, those begun while thinking
-    pa.field("num_reasoning_accepted_draft_tokens", pa.int64()),   # and the drafts they accepted
-    pa.field("token_logprobs", pa.list_(pa.float32())),            # null unless the row asked for logprobs
-    pa.field("generated_token_ids", pa.list_(pa.int32())),         # null unless the row asked for logprobs
-    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),     # null unless logprobs > 0
-    pa.field("cumulative_logprob", pa.float64()),                  # sum of token_logprobs
-    pa.field("time_waiting_s", pa.float64()),        # in the engine's queue, waiting for a slot
-    pa.field("time_in_engine_s", pa.float64()),      # from admission into a slot to the row's end
-    pa.field("batch_wall_seconds", pa.float64()),    # wall time of the row's whole batch in the actor
-    pa.field("audit_match", pa.bool_()),             # null unless audited: equal to plain AR decoding
-    pa.field("audit_first_divergence", pa.int64()),  # null unless an audited row diverged
-    pa.field("seed", pa.int64()),
-    pa.field("model", pa.string()),
-)
+# The output contract, in file order, and the processor's output columns (Ray Data LLM's names):
+# both derived from the one table of columns (``columns.py``), as the job's names for the processor's
+# columns (JOB_NAMES: job -> processor) and every column's type (TYPES: processor name -> type).
+OUTPUT_FIELDS: tuple[pa.Field, ...] = tuple(pa.field(c.job, c.arrow) for c in COLUMNS if c.job is not None)
 OUTPUT_NAMES: tuple[str, ...] = tuple(f.name for f in OUTPUT_FIELDS)
-
-# The processor's output columns (``pipeline/processor``, Ray Data LLM's names first). The job's
-# output holds the same values, three of them under its own names (JOB_NAMES: job -> processor).
-GENERATED_FIELDS: tuple[pa.Field, ...] = (
-    pa.field("generated_text", pa.string()),
-    pa.field("generated_tokens", pa.list_(pa.int32())),   # a final stop token included
-    pa.field("num_input_tokens", pa.int64()),
-    pa.field("num_generated_tokens", pa.int64()),
-    *(f for f in OUTPUT_FIELDS if f.name not in ("id", "sample_index", "completion", "num_prompt_tokens",
-                                                 "num_completion_tokens", "generated_token_ids")),
-)
-JOB_NAMES = {"completion": "generated_text", "num_prompt_tokens": "num_input_tokens",
-             "num_completion_tokens": "num_generated_tokens"}
+GENERATED_FIELDS: tuple[pa.Field, ...] = tuple(pa.field(c.name, c.arrow) for c in COLUMNS if c.processor)
+JOB_NAMES = {c.job: c.name for c in COLUMNS if c.job is not None and c.job != c.name}
+TYPES: dict[str, pa.DataType] = {c.name: c.arrow for c in COLUMNS}   # the internal TEXT_IDS, ENGINE_TEXT too
 # Columns the processor reads (any other column passes through it).
 PROCESSOR_INPUTS = ("prompt", "messages", "tokenized_prompt", "sampling_params")
 KEY_COLUMNS = ("id", "sample_index")  # one output row per key, exactly once
@@ -68,8 +29,6 @@ FILE = "__file"                        # read -> driver: index of the row's inpu
 ROW = "__row"                          # read -> driver: the row's index in that file
 SAMPLES = "__samples"                  # read -> preprocess: the row's pending sample indices
 DERIVED_ID = "__derived_id"            # read -> preprocess: '<file name>:<row index>' (no id column)
-TEXT_IDS = "__text_token_ids"          # engine -> detokenize (ids minus a trailing stop token)
-ENGINE_TEXT = "__engine_text"          # engine -> detokenize (RequestOutput.text, when usable as is)
 BATCH = "__batch"                      # generate -> driver: one record per batch, on its first row (actor/records.py)
 STARTUP = "__startup"                  # read -> preprocess -> generate: when a block was read and prepared
                                        # (STARTUP_TIMES on its first row; the actor moves it into its batch record)
@@ -79,7 +38,6 @@ STARTUP_TIMES = pa.struct([pa.field(name, pa.float64())
                            for name in ("read_start", "read_end", "prepare_start", "prepare_end")])
 
 FINISH_REASONS = ("stop", "length", "error")
-GENERATED_TYPES = {**{f.name: f.type for f in GENERATED_FIELDS}, TEXT_IDS: pa.list_(pa.int32()), ENGINE_TEXT: pa.string()}
 
 
 def output_schema(passthrough: pa.Schema | list[pa.Field]) -> pa.Schema:

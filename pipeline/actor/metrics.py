@@ -11,6 +11,7 @@ updates them when a batch is done, from the rows it is about to return, tagged w
     orthrus_cycles, orthrus_draft_tokens,
     orthrus_verified_draft_tokens,
     orthrus_accepted_draft_tokens              speculation counters (rates come from these)
+                                               (these five: the columns ``pipeline/columns.py`` gives a metric)
     orthrus_tokens_per_cycle                   accepted drafts + 1 per cycle, this actor so far (gauge)
     orthrus_draft_acceptance                   accepted / proposed drafts, this actor so far (gauge)
     orthrus_slot_occupancy                     busy slots / slots since the previous batch ended (gauge)
@@ -30,6 +31,7 @@ import pyarrow.compute as pc
 from orthrus import EngineStats
 from orthrus.metrics import tokens_per_cycle
 from pipeline.actor.records import EngineSnapshot
+from pipeline.columns import METRICS
 from pipeline.output.stats import column_sum, prefix_cache_hit_rate
 
 
@@ -52,11 +54,8 @@ class ActorMetrics:
             return g
 
         self.rows = counter("orthrus_rows", "Rows returned by the generation actor.", "status")
-        self.tokens = counter("orthrus_completion_tokens", "Completion tokens generated.")
-        self.cycles = counter("orthrus_cycles", "Speculative cycles run (summed over rows).")
-        self.drafts = counter("orthrus_draft_tokens", "Draft tokens proposed.")
-        self.accepted = counter("orthrus_accepted_draft_tokens", "Draft tokens accepted.")
-        self.verified = counter("orthrus_verified_draft_tokens", "Draft tokens the verifier computed (its budget).")
+        # One counter per column the table of columns gives a metric (its rows' sums), by column.
+        self.sums = {name: counter(metric, f"Summed over rows: {doc}.") for name, (metric, doc) in METRICS.items()}
         self.audit = counter("orthrus_audit_rows", "Rows re-decoded with plain AR by the lossless audit.", "result")
         self.tpc = gauge("orthrus_tokens_per_cycle", "Accepted drafts + 1 per cycle, this actor so far.")
         self.acceptance = gauge("orthrus_draft_acceptance", "Accepted / proposed draft tokens, this actor so far.")
@@ -69,7 +68,7 @@ class ActorMetrics:
         self.kv_in_use = gauge("orthrus_kv_pages_in_use", "KV cache pages held by rows at the batch's end.")
         self.kv_peak = gauge("orthrus_kv_pages_peak", "The most KV cache pages rows held at once, so far.")
         self.preemptions = counter("orthrus_preemptions", "Rows preempted for want of KV pages (recomputed later).")
-        self._totals = [0, 0, 0]            # cycles, drafts, accepted (this actor)
+        self._totals = dict.fromkeys(METRICS, 0)    # those sums over this actor's batches (the ratios' gauges)
         self._last: tuple[int, int] | None = None   # (iterations, busy slot-iterations) at the last record
 
     def record(self, table: pa.Table, engine: EngineSnapshot, since: EngineStats) -> None:
@@ -80,14 +79,13 @@ class ActorMetrics:
             self.rows.inc(ok.num_rows, tags={"status": "ok"})
         if table.num_rows > ok.num_rows:
             self.rows.inc(table.num_rows - ok.num_rows, tags={"status": "error"})
-        batch = [column_sum(ok[name]) for name in ("num_cycles", "num_draft_tokens", "num_accepted_draft_tokens")]
-        for metric, value in zip((self.tokens, self.verified, self.cycles, self.drafts, self.accepted),
-                                 (column_sum(ok["num_generated_tokens"]), column_sum(ok["num_verified_draft_tokens"]),
-                                  *batch)):
+        for name, metric in self.sums.items():
+            value = column_sum(ok[name])
             if value:
                 metric.inc(value)
-        self._totals = [t + b for t, b in zip(self._totals, batch)]
-        cycles, drafts, accepted = self._totals
+                self._totals[name] += value
+        cycles, drafts, accepted = (self._totals[name] for name in
+                                    ("num_cycles", "num_draft_tokens", "num_accepted_draft_tokens"))
         if cycles:
             self.tpc.set(tokens_per_cycle(accepted, cycles))
         if drafts:

@@ -45,9 +45,9 @@ def detokenize_batch(batch: pa.Table, tokenizer, reasoning: ReasoningTokens | No
     _decode_rows(tokenizer, todo, text_ids, thinking, reasoning, (completions, thoughts, errors))
     reasons, errors = finish_columns(reasons, errors)     # the one decision: they agree by construction
     table = batch.drop_columns([S.TEXT_IDS, S.ENGINE_TEXT, "finish_reason", ERROR])
-    for name, typ, values in (("generated_text", pa.string(), completions), ("reasoning", pa.string(), thoughts),
-                              ("finish_reason", pa.string(), reasons), (ERROR, pa.string(), errors)):
-        table = table.append_column(pa.field(name, typ), pa.array(values, typ))
+    for name, values in (("generated_text", completions), ("reasoning", thoughts), ("finish_reason", reasons),
+                         (ERROR, errors)):
+        table = table.append_column(pa.field(name, S.TYPES[name]), pa.array(values, S.TYPES[name]))
     return table
 
 

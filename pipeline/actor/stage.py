@@ -31,6 +31,7 @@ import torch
 
 from orthrus import EngineStats, OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
 from pipeline import schema as S
+from pipeline.columns import ASSEMBLED
 from pipeline.requests.errors import ERROR, row_error
 from pipeline.requests.request import REQUEST, Requests, read_requests
 from pipeline.actor.audit import first_divergence, is_audited
@@ -233,19 +234,20 @@ class GenerationStage:
     def _assemble(self, batch: pa.Table, results: list, errors: list[str | None], params: list,
                   audits: dict[int, int | None], call_time: tuple[float, float],
                   occupancy: tuple[EngineSnapshot, EngineSnapshot], since: EngineStats) -> pa.Table:
-        """The batch's rows with the generation columns (the processor's contract, ``schema.GENERATED``)."""
+        """The batch's rows with the engine's and the actor's columns of the table (``columns.ASSEMBLED``,
+        in its order; the detokenizer adds the text columns)."""
         ok = [r if isinstance(r, RequestOutput) else None for r in results]
         started, call_seconds = call_time
         n = batch.num_rows
-        cols = {name: pa.array(values, S.GENERATED_TYPES[name])
+        cols = {name: pa.array(values, S.TYPES[name])
                 for name, values in result_columns(ok, errors, params, self.eos_ids).items()}
         cols["batch_wall_seconds"] = pa.repeat(pa.scalar(call_seconds, pa.float64()), n)
         cols["model"] = pa.repeat(pa.scalar(self.plan.model.path, pa.string()), n)
         for name, values in (("audit_match", [audits[i] is None if i in audits else None for i in range(n)]),
                              ("audit_first_divergence", [audits.get(i) for i in range(n)])):
-            cols[name] = pa.array(values, S.GENERATED_TYPES[name]) if audits else pa.nulls(n, S.GENERATED_TYPES[name])
+            cols[name] = pa.array(values, S.TYPES[name]) if audits else pa.nulls(n, S.TYPES[name])
         table = _with_columns(batch.drop_columns([c for c in (REQUEST, ERROR, S.STARTUP) if c in batch.column_names]),
-                              {name: cols[name] for name in _ASSEMBLED})
+                              {name: cols[name] for name in ASSEMBLED})
         if not self.plan.batch_records:
             return table
         record = {"actor": self.actor, "gpu_ids": self.gpu_ids, "call_id": uuid.uuid4().hex, "rows": n,
@@ -264,15 +266,6 @@ class GenerationStage:
         print(f"[orthrus] actor {self.actor} gpu_ids=[{self.gpu_ids}]: batch of {rows} rows, {tokens} tokens in "
               f"{seconds:.2f}s (actor total {self.total_tokens} tokens, "
               f"{self.total_tokens / max(engine_seconds, 1e-9):.1f} tok/s of engine time)", flush=True)
-
-
-# The generation columns in the order the actor appends them (the processor's output order).
-_ASSEMBLED = ("generated_tokens", "num_generated_tokens", "finish_reason", ERROR, "num_cycles", "num_forward_passes",
-              "num_draft_tokens", "num_accepted_draft_tokens", "tokens_per_cycle", "accept_length_histogram",
-              "num_tokens_after_stop", "token_logprobs", "top_logprobs", "cumulative_logprob", "time_waiting_s",
-              "time_in_engine_s", "batch_wall_seconds", "audit_match", "audit_first_divergence", "model",
-              "num_reasoning_tokens", "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens",
-              "num_verified_draft_tokens", S.TEXT_IDS, S.ENGINE_TEXT)
 
 
 def _with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:

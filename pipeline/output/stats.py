@@ -18,16 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.columns import SKETCHED, SUMMED
 from pipeline.output import prefix_ideal
 
 STATS_KEY = b"orthrus.stats"
 EXAMPLES = 5
 _GAMMA = 1.02            # sketch bucket ratio: quantiles within ~1%
-_SUMS = ("num_prompt_tokens", "num_completion_tokens", "num_tokens_after_stop", "num_cycles",
-         "num_forward_passes", "num_draft_tokens", "num_accepted_draft_tokens", "num_verified_draft_tokens",
-         "num_reasoning_tokens",
-         "num_reasoning_cycles", "num_reasoning_accepted_draft_tokens")
-TIME_COLUMNS = ("time_waiting_s", "time_in_engine_s")
+# The columns summed over the ok rows, and those kept as sketches: the table's (``columns.py``).
+SUMS: tuple[str, ...] = SUMMED
+TIME_COLUMNS: tuple[str, ...] = SKETCHED
 # The footers' engine aggregate (kept under "prefill"): its key -> the engine counter (``EngineStats``)
 # the batch records' ``since`` holds, summed; then the KV page pool's figures, the largest kept.
 PREFILL_FROM = {"computed_tokens": "prefill_tokens", "prefix_cache_hit_tokens": "prefix_cache_hit_tokens",
@@ -170,7 +169,7 @@ def of_table(table: pa.Table, prefill: dict | None = None) -> dict:
     return {"rows": table.num_rows, "error": errors.num_rows,
             "finish_reason": dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
             if counts else {},
-            "sums": {name: _sum(_column(ok, name, pa.int64())) for name in _SUMS},
+            "sums": {name: _sum(_column(ok, name, pa.int64())) for name in SUMS},
             "after_stop_known": "num_tokens_after_stop" in table.column_names,
             "speculation": _speculation(ok), "histogram": _histogram(_column(ok, "accept_length_histogram",
                                                                               pa.list_(pa.int64()))),

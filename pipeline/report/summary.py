@@ -80,6 +80,9 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
     return {
         "rows": {"total": total["rows"], "ok": ok, "error": total["error"],
                  "finish_reason": total["finish_reason"], "duplicate_keys": duplicates},
+        # every summed column of the table (``columns.py``) over the ok rows; 0 for a column
+        # older parts lack
+        "column_sums": {name: sums.get(name, 0) for name in St.SUMS},
         "tokens": {"prompt": sums["num_prompt_tokens"], "completion": sums["num_completion_tokens"],
                    # decoded past a stop string before the row ended (at most one block per row)
                    "decoded_after_stop": sums["num_tokens_after_stop"] if total["after_stop_known"] else None,
