@@ -72,12 +72,18 @@ def make_engine(pkg, model, b: int, max_seq_len: int):
     """``pkg.OrthrusEngine`` with B slots, eager, passing only the arguments that version accepts."""
     kwargs = {"max_batch_size": b, "max_seq_len": max_seq_len, "static_shapes": False}
     accepted = inspect.signature(pkg.OrthrusEngine).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):   # settings by name
+        return pkg.OrthrusEngine(model, **kwargs)
     return pkg.OrthrusEngine(model, **{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def timed(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool) -> dict:
-    """One greedy ``generate`` → tokens/s and the token ids."""
-    params = [pkg.SamplingParams(max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
+# What a synthetic-data job's rows typically ask for: the penalties cell puts them on every row.
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1, logit_bias={0: -5.0})
+
+
+def timed(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool, options: dict | None = None) -> dict:
+    """One greedy ``generate`` (every row with ``options``, e.g. penalties) → tokens/s and the token ids."""
+    params = [pkg.SamplingParams(max_new_tokens=max_new, seed=i, **(options or {})) for i in range(len(prompts))]
     seconds, outs = common.time_generate(engine, prompts, params, speculative)
     return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "ids": [o.token_ids for o in outs]}
 
@@ -96,9 +102,21 @@ def ab_cell(sides: dict, prompts: list[list[int]], max_new: int, speculative: bo
             "tokens_identical": r.ids["old"][-1] == r.ids["new"][-1]}
 
 
+def options_cell(pkg, engine, prompts: list[list[int]], max_new: int, speculative: bool, reps: int) -> dict:
+    """The working tree's engine with every row penalised (:data:`PENALTIES`) vs the same rows
+    without, in interleaved pairs → what penalties cost a batch (the tokens differ, so tok/s)."""
+    r = common.rounds({side: (lambda side=side: timed(pkg, engine, prompts, max_new, speculative,
+                                                      PENALTIES if side == "penalties" else None))
+                       for side in ("penalties", "plain")}, reps)
+    s = r.samples
+    return {"plain_tok_s": common.med(s["plain"], "tok_s"), "penalties_tok_s": common.med(s["penalties"], "tok_s"),
+            "median_of_pair_ratios": common.pair_ratio(s["penalties"], s["plain"], "tok_s"), "options": str(PENALTIES)}
+
+
 def run(before: str, model_dir: str, prompts_dir: str, sizes: list[int], reps: int, max_new: int,
-        min_rows: int) -> dict:
-    """Old vs new per batch size and mode → the report (printed as it goes)."""
+        min_rows: int, penalties: bool = False) -> dict:
+    """Old vs new per batch size and mode (with ``penalties``, also what penalising every row costs
+    the new engine) → the report (printed as it goes)."""
     import orthrus as new_pkg
     old_pkg = load_before(before)
     models = {side: pkg.OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -117,12 +135,19 @@ def run(before: str, model_dir: str, prompts_dir: str, sizes: list[int], reps: i
             print(f"B={b:<3} {mode:<7} old {cell['old_tok_s']:.0f} tok/s, new {cell['new_tok_s']:.0f} tok/s: "
                   f"new/old ×{cell['ratio_of_medians']:.3f} (pairs ×{cell['median_of_pair_ratios']:.3f}), "
                   f"tokens identical: {cell['tokens_identical']}", flush=True)
+            if penalties:
+                pen = options_cell(new_pkg, sides["new"][1], rows, max_new, spec, reps)
+                report["results"][f"B={b} {mode} penalties"] = pen
+                print(f"B={b:<3} {mode:<7} every row penalised: ×{pen['median_of_pair_ratios']:.3f} of the same "
+                      f"rows without ({pen['penalties_tok_s']:.0f} vs {pen['plain_tok_s']:.0f} tok/s)", flush=True)
     return report
 
 
 def add_args(ap) -> None:
     """``--before`` (the old engine's git ref); batch sizes default to 1,4,16,64, one thread."""
     ap.add_argument("--before", default="HEAD", help="git ref of the old engine (default HEAD: the last commit)")
+    ap.add_argument("--penalties", action="store_true",
+                    help="also time the new engine with every row penalised vs the same rows without")
     ap.set_defaults(batch_sizes="1,4,16,64", threads=1)
 
 
@@ -130,5 +155,5 @@ def main(args: argparse.Namespace) -> None:
     """Old vs new at ``--batch-sizes`` → ``bench-results/ab.json``."""
     common.set_threads(args)
     report = run(args.before, args.model, args.prompts, common.batch_sizes(args, "1,4,16,64"), args.reps,
-                 args.max_new_tokens, args.min_rows)
+                 args.max_new_tokens, args.min_rows, getattr(args, "penalties", False))
     common.write_report(args, report)
