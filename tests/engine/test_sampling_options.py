@@ -168,3 +168,17 @@ def test_rows_without_options_keep_their_paths_and_hold_no_counts(model):
     assert seated.paths(np.arange(3)) == {"filtered": False, "min_p": False, "penalties": False, "bias": False}
     engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, presence_penalty=0.5))
     assert engine.runner.state.counts is not None
+
+
+def test_token_ids_past_the_vocabulary_are_refused_naming_the_field(model):
+    engine = OrthrusEngine(model, max_batch_size=1)
+    for params, field in ((SamplingParams(logit_bias={64: 1.0}), "logit_bias"),
+                          (SamplingParams(stop_token_ids=(70,), min_tokens=2), "stop_token_ids")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} token ids must be < the vocabulary size 64"):
+            engine.add_request([1, 2], params)
+    for bad, message in (({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"min_p": 1.5}, "min_p"), ({"logit_bias": {1: 101}}, "logit_bias values"),
+                         ({"logit_bias": {-1: 1}}, "logit_bias keys"), ({"ignore_eos": 1}, "ignore_eos"),
+                         ({"ignore_eos": True, "structured": {"regex": "a"}}, "ignore_eos cannot be combined")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{message}"):
+            SamplingParams(**bad)

@@ -86,6 +86,11 @@ class RequestChecks:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
                              f"({self.vocab_size} tokens)")
+        # Ids the device indexes the vocabulary with (a stop id masked by min_tokens, a biased token).
+        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"SamplingParams.{field} token ids must be < the vocabulary size {self.vocab_size}, "
+                                 f"got {max(ids)}")
         if params.stop and not self.has_tokenizer:
             raise ValueError("SamplingParams.stop needs a tokenizer: build the engine with OrthrusEngine(..., tokenizer=...)")
         if params.structured is not None:
