@@ -7,7 +7,7 @@ from __future__ import annotations
 from support.import_graph import cycles, files, graph, imports, packages
 
 # pipeline/'s packages, lowest first: each may import only packages before it (docs/design.md §6).
-ORDER = ("config", "config_file", "exceptions", "tasks", "columns", "schema", "storage", "output", "requests", "inputs", "actor",
+ORDER = ("sections", "sampling_config", "config", "config_file", "exceptions", "tasks", "columns", "schema", "storage", "output", "requests", "inputs", "actor",
          "processor", "report", "run")
 # What pipeline/ may import of orthrus: the package itself and the modules its docstring names as public.
 PUBLIC = {"orthrus", "orthrus.constraints", "orthrus.metrics"}
