@@ -10,6 +10,9 @@ released Qwen3 checkpoints uses one) is computed by transformers' own rotary mod
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -52,7 +55,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         base = config.rope_parameters["rope_theta"]
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        # Built on "meta" (from_pretrained, which rebuilds it after), the frequencies are computed
+        # on the CPU: torch's meta kernel for arange would import its compiler (a second of start-up).
+        device = "cpu" if torch.get_default_device().type == "meta" else None
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
         self.attention_scaling = 1.0
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
 
@@ -106,3 +112,20 @@ def init_weights(model: nn.Module, std: float) -> None:
             model.weight[model.padding_idx].zero_()
     elif isinstance(model, RMSNorm):
         model.weight.fill_(1.0)
+
+
+@contextmanager
+def skipped_init() -> Iterator[None]:
+    """Build modules without their own random initialisation (``from_pretrained`` builds on "meta"
+    and assigns the checkpoint's tensors). Filling a meta tensor at random goes through torch's
+    Python reference kernels, which import its compiler: about a second of a worker's start-up.
+    What transformers' ``no_init_weights`` does; the functions are restored on exit."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)

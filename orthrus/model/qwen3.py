@@ -16,7 +16,7 @@ from orthrus.model import checkpoint
 from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
 from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
 from orthrus.model.cache import PagedKVCache
-from orthrus.model.layers import MLP, RMSNorm, init_weights, rotary_embedding
+from orthrus.model.layers import MLP, RMSNorm, init_weights, rotary_embedding, skipped_init
 from orthrus.model.ragged import RaggedBatch, ragged_attend
 from orthrus.ranges import named_range, ranged
 
@@ -154,7 +154,7 @@ class OrthrusForCausalLM(nn.Module):
         root = Path(path)
         config = checkpoint.read_config(root)
         found = checkpoint.read_tensors(root)
-        with torch.device("meta"):
+        with torch.device("meta"), skipped_init():
             model = cls(config)
         state = checkpoint.complete_state(dict(model.state_dict()), found, bool(config.tie_word_embeddings), root)
         model.load_state_dict({k: v.to(dtype=dtype) for k, v in state.items()}, assign=True, strict=True)
