@@ -127,14 +127,26 @@ def pytest_collection_modifyitems(config, items) -> None:
     such a cluster has been shut down, a later in-process driver of another cluster (a head fixture's)
     sees its first actor cancelled before it runs (Ray Data keeps per-process state). Under
     pytest-xdist with ``--dist loadfile`` (``make test``) each worker is handed modules in this order,
-    so the rule holds in every worker; the other e2e modules (collected first: ``e2e`` sorts before
-    ``engine`` and ``unit``) are handed out first, and the short modules fill in at the end."""
+    so the rule holds in every worker. Within each group the longest modules go first
+    (``LONGEST_FIRST``: the longest one started last would leave the other worker idle at the end),
+    then the rest in collection order (``e2e`` sorts before ``engine`` and ``unit``), the short
+    modules filling in at the end."""
     e2e = Path(__file__).resolve().parent / "e2e"
     for item in items:
         if e2e in item.path.parents:
             item.add_marker(pytest.mark.slow)
     local = {item.path for item in items if "ray_local" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.path in local)      # stable: the order within each group is kept
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # stable: the order within a module, and of the modules not listed, is kept
+    items.sort(key=lambda item: (item.path in local, rank.get(item.path.name, len(rank))))
+
+
+# Modules by their time in ``make test`` (``--durations``, 2-core VM, longest first): a worker that
+# is handed one of them late runs it alone while the other waits. Rough is enough.
+LONGEST_FIRST = ("test_observability_ray.py", "test_hardening_ray.py", "test_storage_ray.py", "test_pipeline_ray.py",
+                 "test_node_loss_ray.py", "test_reasoning_ray.py", "test_faults_ray.py", "test_formats_ray.py",
+                 "test_qwen3_vocab_ray.py", "test_bench.py", "test_storage.py", "test_bench_scale.py",
+                 "test_bad_rows_ray.py", "test_structured_ray.py")
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 from orthrus.model.backends import Attend
+from orthrus.model.layers import RMSNorm, apply_rotary_pos_emb
 
 AR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 DIFF_SUFFIX = "_diff"
@@ -40,8 +40,8 @@ class OrthrusAttention(nn.Module):
             setattr(self, "k_proj" + suffix, nn.Linear(e, hk * d, bias=bias))
             setattr(self, "v_proj" + suffix, nn.Linear(e, hk * d, bias=bias))
             setattr(self, "o_proj" + suffix, nn.Linear(h * d, e, bias=bias))
-            setattr(self, "q_norm" + suffix, Qwen3RMSNorm(d, eps=config.rms_norm_eps))
-            setattr(self, "k_norm" + suffix, Qwen3RMSNorm(d, eps=config.rms_norm_eps))
+            setattr(self, "q_norm" + suffix, RMSNorm(d, eps=config.rms_norm_eps))
+            setattr(self, "k_norm" + suffix, RMSNorm(d, eps=config.rms_norm_eps))
 
     def _part(self, name: str, diffusion: bool) -> nn.Module:
         return getattr(self, name + (DIFF_SUFFIX if diffusion else ""))

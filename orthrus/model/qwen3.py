@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers import Qwen3Config
 
 from orthrus.model import checkpoint
 from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
 from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
 from orthrus.model.cache import PagedKVCache
+from orthrus.model.layers import MLP, RMSNorm, init_weights, rotary_embedding, skipped_init
 from orthrus.model.ragged import RaggedBatch, ragged_attend
 from orthrus.ranges import named_range, ranged
 
@@ -29,9 +29,9 @@ class OrthrusDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = OrthrusAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 diffusion: bool) -> torch.Tensor:
@@ -47,8 +47,8 @@ class OrthrusModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(OrthrusDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_embedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
                 diffusion: bool) -> torch.Tensor:
@@ -61,27 +61,27 @@ class OrthrusModel(nn.Module):
         return self.norm(h)
 
 
-class OrthrusForCausalLM(PreTrainedModel):
+class OrthrusForCausalLM(nn.Module):
     """One Qwen3 model, two attention views sharing one KV cache (docs/design.md §2.1).
 
     ``forward(input_ids)`` is the plain AR model (all positions' logits). The engine uses
     ``forward_cached`` to run either view on a block over the ragged cache; both, and training, run
     the one layer loop ``OrthrusModel.forward`` with a different ``attend`` (``backends.py``).
+    A plain ``nn.Module`` (``from_pretrained``, ``save_pretrained`` and the initialisation are this
+    package's own, ``layers.py``): transformers' ``PreTrainedModel`` costs seconds of import.
     """
-
-    config_class = Qwen3Config
-    base_model_prefix = "model"
-    _supports_sdpa = True
 
     def __init__(self, config: Qwen3Config) -> None:
         if getattr(config, "use_sliding_window", False):
             raise ValueError("config.use_sliding_window=True is not supported (Qwen3 models use full attention)")
-        super().__init__(config)
+        super().__init__()
+        self.config = config
         self.model = OrthrusModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.post_init()
+        if not self.lm_head.weight.is_meta:       # from_pretrained builds on "meta", then assigns weights
+            init_weights(self, getattr(config, "initializer_range", None) or 0.02)
         self.copy_ar_to_diffusion()  # the twins start as copies: the AR view is the original model
 
     @property
@@ -154,13 +154,13 @@ class OrthrusForCausalLM(PreTrainedModel):
         root = Path(path)
         config = checkpoint.read_config(root)
         found = checkpoint.read_tensors(root)
-        with torch.device("meta"):
+        with torch.device("meta"), skipped_init():
             model = cls(config)
         state = checkpoint.complete_state(dict(model.state_dict()), found, bool(config.tie_word_embeddings), root)
         model.load_state_dict({k: v.to(dtype=dtype) for k, v in state.items()}, assign=True, strict=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb = Qwen3RotaryEmbedding(config=config)   # not persistent: rebuilt off meta
+        model.model.rotary_emb = rotary_embedding(config)   # not persistent: rebuilt off meta
         model._extra_eos_ids = checkpoint.generation_eos(root)
         return model.to(device=device).eval()
 

@@ -25,9 +25,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from orthrus import EngineStepError, OrthrusEngine, RequestOutput, SamplingParams
+from orthrus import EngineStepError, RequestOutput, SamplingParams
 from pipeline.actor.records import EngineSnapshot
+
+if TYPE_CHECKING:        # the engine (torch) loads in the actor only; the job's driver imports this module too
+    from orthrus import OrthrusEngine
 
 
 MAIN, AUDIT = "main", "audit"

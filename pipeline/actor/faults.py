@@ -24,8 +24,6 @@ import asyncio
 import os
 from dataclasses import dataclass
 
-import torch
-
 from pipeline.actor.stage import GenerationStage, StagePlan
 
 FAULT_ENV = "ORTHRUS_FAULT_INJECT"
@@ -83,6 +81,8 @@ class FaultInjector:
 
     def before_generate(self, ids: list[str]) -> None:
         """Raise ``torch.OutOfMemoryError`` if this call must fail."""
+        import torch        # in the actor (loaded there already); the driver only reads the spec
+
         if self.max_rows is not None and len(ids) > self.max_rows:
             raise torch.OutOfMemoryError(f"simulated out of memory ({FAULT_ENV}): {len(ids)} rows > "
                                          f"{self.max_rows}")

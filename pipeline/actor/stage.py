@@ -25,11 +25,12 @@ import os
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import torch
 
-from orthrus import EngineStats, OrthrusEngine, OrthrusForCausalLM, RequestOutput, SamplingParams
+import orthrus
+from orthrus import EngineStats, RequestOutput, SamplingParams
 from pipeline import schema as S
 from pipeline.columns import ASSEMBLED
 from pipeline.requests.errors import ERROR, row_error
@@ -42,6 +43,11 @@ from pipeline.actor.metrics import ActorMetrics
 from pipeline.storage.model_files import load_tokenizer, resolve_model_dir
 from pipeline.actor.postprocess import detokenize_batch
 from pipeline.actor.results import result_columns
+
+if TYPE_CHECKING:        # torch and the model load in the actor only: the job's driver imports this module too
+    import torch
+    from orthrus import OrthrusEngine, OrthrusForCausalLM
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -58,6 +64,8 @@ class StagePlan:
 
 
 def _torch_dtype(name: str, device: str) -> torch.dtype:
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return getattr(torch, name)
@@ -80,11 +88,13 @@ class GenerationStage:
 
     def __init__(self, plan: StagePlan) -> None:
         constructed = time.time()     # wall clock: the driver's start-up split compares it with its own moments
+        import torch
+
         self.plan = plan
         self.device = "cuda" if plan.use_gpu and torch.cuda.is_available() else "cpu"
         model_dir = resolve_model_dir(plan.model, plan.storage)
-        model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device),
-                                                   device=self.device)
+        model = orthrus.OrthrusForCausalLM.from_pretrained(
+            model_dir, dtype=_torch_dtype(plan.engine.dtype, self.device), device=self.device)
         self.tokenizer = load_tokenizer(model_dir)   # before the engines: they detect stop strings
         self.engine = self._engine(model, plan.engine.max_batch_size, plan.engine.speculative, plan.engine.kv_cache_tokens)
         # The audit engine: plain AR on the same weights, its own (small) KV cache, same loop thread.
@@ -104,7 +114,7 @@ class GenerationStage:
                 kv_cache_tokens: int | None = None) -> OrthrusEngine:
         settings = self.plan.engine.engine_settings(max_batch_size=slots, speculative=speculative,
                                                     kv_cache_tokens=kv_cache_tokens)
-        return OrthrusEngine(model, settings, tokenizer=self.tokenizer)
+        return orthrus.OrthrusEngine(model, settings, tokenizer=self.tokenizer)
 
     async def _before_batch(self) -> None:
         """Called as each batch arrives (the test-only ``faults.FaultyStage`` slows it down)."""
@@ -139,6 +149,8 @@ class GenerationStage:
         except Exception as e:  # noqa: BLE001 - see above
             cause = e.cause if isinstance(e, GroupFailed) else e
             if self.device == "cuda":
+                import torch
+
                 torch.cuda.empty_cache()  # give the retry the memory the failed attempt held
             if len(prompts) == 1:
                 return [cause]

@@ -4,11 +4,10 @@
   plain AR), per-row times, the cost section, the prefill counts (prompts shared by two rows are
   prefix-cache hits), the progress lines, and the actors' live metrics read back from the node's
   Prometheus endpoint;
-- ``behaviour.row_timeout_s``: rows that run too long become error rows, rows in == rows out;
-- ``behaviour.max_wall_seconds``: the job stops cleanly (exit 1, complete parts, a hint), and
-  ``--resume`` finishes it exactly once;
-- the completion marker ``_SUCCESS`` through a stop, a resume and a repair, and a terminal free of
-  Ray's notices.
+- one output through four runs: ``behaviour.row_timeout_s`` (rows that run too long become error
+  rows, rows in == rows out), ``--retry-errors`` stopped by ``behaviour.max_wall_seconds`` (a clean
+  stop: exit 1, complete parts, a hint), ``--resume`` finishing it exactly once, and the completion
+  marker ``_SUCCESS`` written, removed and written again through them; a terminal free of Ray's notices.
 """
 from __future__ import annotations
 
@@ -139,37 +138,25 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     assert "ray_orthrus_kv_pages_in_use" in got
 
 
-def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tmp_path):
-    keys = []
-    for s in range(2):
-        ids = [f"s{s}-{i}" for i in range(12)]
-        write_parquet(tmp_path / "in" / f"s{s}.parquet", id=ids, prompt=[f"def f{s}_{i}(a):" for i in range(12)])
-        keys += [(i, 0) for i in ids]
-    env = {**base_env(), "RAY_ADDRESS": head["gcs"]}
-    generate = [sys.executable, "-m", "jobs.generate", "--config"]
+def _generate_quietly(job: Path, env: dict, *args: str, hold_after: int | None = None,
+                      status: int = 0) -> subprocess.CompletedProcess:
+    """``python -m jobs.generate`` on the module's head; its exit ``status`` and a terminal free of
+    Ray's notices and colour codes. ``hold_after``: each actor then holds every later batch at a
+    barrier that is never released (a device that stalls)."""
+    never = job.parent / "never"
+    held = {"ORTHRUS_FAULT_INJECT": f"hold_after:{hold_after}:{never}"} if hold_after is not None else {}
+    proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(job), *args], cwd=REPO,
+                          env={**env, **held}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == status, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for notice in ("core_worker.cc", "Progress bars disabled", "Starting execution of Dataset"):
+        assert notice not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    assert "\x1b[" not in proc.stdout + proc.stderr      # no colour codes in a pipe (Ray's actor prefixes)
+    return proc
 
-    # 1. every row outlives a 1 ms row timeout: all error rows, none lost, the job still finishes
-    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 200},
-                  engine={"batch_size": 6, "max_batch_size": 4, "max_seq_len": 256},
-                  resources={"replicas": 1}, behaviour={"row_timeout_s": 0.001})
-    proc = subprocess.run([*generate, str(job)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = pq.read_table(tmp_path / "out" / "data").to_pylist()
-    assert sorted((r["id"], r["sample_index"]) for r in rows) == sorted(keys)
-    assert all(r["finish_reason"] == "error" and "row timeout: aborted after" in r["error"] for r in rows)
 
-    # 2. a device that stalls after two batches (a barrier never released while the job runs, so only
-    # the guard can end it, however fast or loaded the machine) and a wall-clock limit: a clean stop
-    # with complete parts, then --resume
-    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 8},
-                  engine={"batch_size": 2, "max_batch_size": 2, "max_concurrent_batches": 1},
-                  resources={"replicas": 1}, behaviour={"max_wall_seconds": 20})
-    t0 = time.time()
-    proc = subprocess.run([*generate, str(job), "--overwrite"], cwd=REPO, capture_output=True, text=True,
-                          env={**env, "ORTHRUS_FAULT_INJECT": f"hold_after:2:{tmp_path / 'never'}"}, timeout=300)
-    took = time.time() - t0
-    out = tmp_path / "out"
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+def _assert_a_clean_stop(proc: subprocess.CompletedProcess, out: Path, keys: list, took: float) -> None:
+    """A run stopped by ``max_wall_seconds=20``: exit 1 (checked by the caller), the hint, no
+    traceback, complete parts holding each key at most once, and no marker."""
     assert "behaviour.max_wall_seconds=20 reached" in proc.stdout and "rerun with --resume" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]   # a clean stop
     # the stalled batch never ends, so a driver that waited for it would hit the 300 s timeout above;
@@ -179,52 +166,55 @@ def test_row_timeout_and_wall_clock_guard_then_resume(head, tiny_orthrus_dir, tm
     done = row_keys(out / "data" / name for name in part_digests(out))
     assert summary["run"]["stopped_by"] == "max_wall_seconds" and not summary["run"]["complete"]
     assert len(done) == len(set(done)) < len(keys) and summary["rows"]["total"] == len(done)
+    assert not (out / "_SUCCESS").exists()
     print(f"max_wall_seconds=20: the driver stopped after {took:.1f} s with {len(done)}/{len(keys)} rows committed")
 
-    proc = subprocess.run([*generate, str(job), "--resume", "--set", "behaviour.max_wall_seconds=null"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+def test_row_timeout_wall_clock_stop_resume_and_the_success_marker(head, tiny_orthrus_dir, tmp_path):
+    """One output through four runs (two tests before this one ran steps 1-3 each, on outputs of their own):
+
+    1. every row outlives a 1 ms row timeout: all error rows, none lost, the job finishes, and the
+       output is complete, so ``_SUCCESS`` is written with the run's figures;
+    2. ``--retry-errors`` takes the error rows out of ``data/`` and runs on a device that stalls after
+       two batches (a barrier never released, so only the guard can end it, however fast or loaded
+       the machine) under ``max_wall_seconds``: a clean stop with complete parts and no marker;
+    3. ``--resume`` generates the rest: every row exactly once, none an error, the resume's marker;
+    4. a new input file and a ``--resume`` stopped before it commits anything: the old marker is gone
+       (only its removal at the run's start can explain that)."""
+    keys = []
+    for s in range(2):
+        ids = [f"s{s}-{i}" for i in range(12)]
+        write_parquet(tmp_path / "in" / f"s{s}.parquet", id=ids, prompt=[f"def f{s}_{i}(a):" for i in range(12)])
+        keys += [(i, 0) for i in ids]
+    env = {**base_env(), "RAY_ADDRESS": head["gcs"]}
+    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 8},
+                  engine={"batch_size": 2, "max_batch_size": 2, "max_concurrent_batches": 1}, resources={"replicas": 1})
+    out, marker = tmp_path / "out", tmp_path / "out" / "_SUCCESS"
+
+    # 1. a 1 ms row timeout, checked every step at that limit: no row's prefill and 8 tokens fit in it
+    _generate_quietly(job, env, "--set", "behaviour.row_timeout_s=0.001")
+    rows = pq.read_table(out / "data").to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in rows) == sorted(keys)
+    assert all(r["finish_reason"] == "error" and "row timeout: aborted after" in r["error"] for r in rows)
+    run, record = json.loads((out / "summary.json").read_text())["run"], json.loads(marker.read_text())
+    assert run["complete"] and record["run_id"] == run["run_id"]
+    assert (record["rows"]["expected"], record["rows"]["in_output"], record["rows"]["error"]) == (24, 24, 24)
+
+    # 2. --retry-errors on a device that stalls after two batches, under a wall-clock limit
+    t0 = time.time()
+    proc = _generate_quietly(job, env, "--retry-errors", "--set", "behaviour.max_wall_seconds=20", hold_after=2, status=1)
+    _assert_a_clean_stop(proc, out, keys, time.time() - t0)
+
+    # 3. --resume finishes it: every row exactly once, none an error, the resume's marker
+    _generate_quietly(job, env, "--resume")
     rows = pq.read_table(out / "data").to_pylist()
     assert sorted((r["id"], r["sample_index"]) for r in rows) == sorted(keys)
     assert all(r["finish_reason"] != "error" for r in rows)
-
-
-def test_success_marker_through_a_stop_a_resume_and_a_repair(head, tiny_orthrus_dir, tmp_path):
-    """``_SUCCESS`` after a complete run; removed at the start of ``--retry-errors`` and of ``--resume``
-    (each stopped by ``max_wall_seconds`` here, so only the removal can explain its absence); written
-    again by the run that completes. The driver's terminal carries none of Ray's notices."""
-    write_parquet(tmp_path / "in" / "s0.parquet", id=[f"s0-{i}" for i in range(6)], prompt=[f"def f{i}(a):" for i in range(6)])
-    env = {**base_env(), "RAY_ADDRESS": head["gcs"]}
-    # a device that stalls from the first batch: a run limited to 2 s commits nothing, however fast
-    slow = {**env, "ORTHRUS_FAULT_INJECT": f"hold_after:0:{tmp_path / 'never'}"}
-    job = _config(tmp_path, tiny_orthrus_dir, sampling={"max_new_tokens": 4},
-                  engine={"batch_size": 3, "max_batch_size": 2}, resources={"replicas": 1})
-    out, marker = tmp_path / "out", tmp_path / "out" / "_SUCCESS"
-
-    def generate(*args: str, environ: dict = env, status: int = 0) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(job), *args], cwd=REPO,
-                              env=environ, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == status, proc.stdout[-4000:] + proc.stderr[-4000:]
-        for notice in ("core_worker.cc", "Progress bars disabled", "Starting execution of Dataset"):
-            assert notice not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
-        assert "\x1b[" not in proc.stdout + proc.stderr      # no colour codes in a pipe (Ray's actor prefixes)
-        return json.loads((out / "summary.json").read_text())["run"]
-
-    # 1. every row outlives a 1 ms row timeout: six error rows, committed, so the output is complete
-    run = generate("--set", "behaviour.row_timeout_s=0.001")
-    record = json.loads(marker.read_text())
-    assert run["complete"] and record["run_id"] == run["run_id"]
-    assert (record["rows"]["expected"], record["rows"]["in_output"], record["rows"]["error"]) == (6, 6, 6)
-
-    # 2. --retry-errors takes the six out of data/, then stops before committing any: no marker
-    run = generate("--retry-errors", "--set", "behaviour.max_wall_seconds=2", environ=slow, status=1)
-    assert run["stopped_by"] == "max_wall_seconds" and not marker.exists()
-
-    # 3. --resume generates them: complete again, the resume's marker
-    run = generate("--resume")
+    run = json.loads((out / "summary.json").read_text())["run"]
     assert run["complete"] and json.loads(marker.read_text())["run_id"] == run["run_id"]
 
-    # 4. a new input file, --resume stopped before it finishes: the old marker is gone
-    write_parquet(tmp_path / "in" / "s1.parquet", id=[f"s1-{i}" for i in range(6)], prompt=[f"def g{i}(a):" for i in range(6)])
-    run = generate("--resume", "--set", "behaviour.max_wall_seconds=2", environ=slow, status=1)
+    # 4. a new input file, --resume stopped before it commits anything: the old marker is gone
+    write_parquet(tmp_path / "in" / "s2.parquet", id=[f"s2-{i}" for i in range(6)], prompt=[f"def g{i}(a):" for i in range(6)])
+    _generate_quietly(job, env, "--resume", "--set", "behaviour.max_wall_seconds=2", hold_after=0, status=1)
+    run = json.loads((out / "summary.json").read_text())["run"]
     assert run["stopped_by"] == "max_wall_seconds" and not run["complete"] and not marker.exists()

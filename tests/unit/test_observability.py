@@ -209,10 +209,10 @@ def test_batch_records_and_metrics_count_prefilled_and_prefix_cache_hit_tokens(t
     m = stage.metrics
     assert (m.prefill.values[()], m.hits.values.get((), 0)) == (computed, hits)
     assert m.hit_rate.values[()] == pytest.approx(hits / (computed + hits))
-    import pipeline.actor.stage as stage_module
+    import orthrus      # the stage builds its engines through the package's (lazy) name
 
-    built, engine = [], stage_module.OrthrusEngine
-    monkeypatch.setattr(stage_module, "OrthrusEngine", lambda *a, **kw: built.append(a[1].prefix_cache) or engine(*a, **kw))
+    built, engine = [], orthrus.OrthrusEngine
+    monkeypatch.setattr(orthrus, "OrthrusEngine", lambda *a, **kw: built.append(a[1].prefix_cache) or engine(*a, **kw))
     _stage(job_config(tmp_path, tiny_orthrus_dir, prompt={"chat_template": "off"}, engine={"prefix_cache": False}))
     assert built == [False]
 

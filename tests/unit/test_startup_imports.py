@@ -1,0 +1,27 @@
+"""What a job imports before its first batch, kept small (docs/testing.md: start-up): the driver
+(``jobs.generate``) imports no torch, and the model imports no transformers model code (its
+``PreTrainedModel`` and ``modeling_qwen3`` pull in torch's compiler, sympy and scipy: seconds of
+every actor's start on a small machine). Each check runs in a fresh interpreter."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from support.paths import REPO
+
+
+def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
+    probe = f"import sys\n{statement}\nprint(','.join(m for m in {modules!r} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [m for m in proc.stdout.strip().split(",") if m]
+
+
+def test_the_jobs_driver_imports_no_torch_and_no_model():
+    assert _loaded_after("import jobs.generate", ("torch", "transformers", "orthrus.model", "orthrus.engine.engine")) == []
+
+
+def test_the_model_and_its_loading_import_no_transformers_model_code_nor_torchs_compiler():
+    load = "import orthrus\northrus.OrthrusForCausalLM.from_pretrained('models/tiny-orthrus-py')\nimport orthrus.engine.engine"
+    assert _loaded_after(load, ("transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
+                                "torch._dynamo", "sympy", "scipy")) == []
