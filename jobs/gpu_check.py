@@ -1,47 +1,53 @@
-"""The one script to run when a session is lent a GPU (an H200, about 10 minutes of it):
+"""The one script to run when a session is lent a GPU (an H100 or H200, 8 minutes of it):
 
-    python3 -m jobs.gpu_check --out "$OUT"                   # budget 480 s (--budget-s)
+    python3 -m jobs.gpu_check --dry-run                      # here, first: the plan as JSON, stamps the commit
+    python3 -m jobs.gpu_check --out "$OUT"                   # on the device: budget 480 s (--budget-s)
     python3 -m jobs.gpu_check --device cpu --out /tmp/gc     # smoke run, tiny sizes (tests/engine/test_gpu_check.py)
-    python3 -m jobs.gpu_check --only fp32_graphs_vs_eager,sync_debug --out "$OUT"   # a rerun of some steps
-    python3 -m jobs.gpu_check --dry-run                      # here, before the run: the plan and its
-                                                             # estimated seconds; stamps the commit
+    python3 -m jobs.gpu_check --only costs_graphs,sync_debug --out "$OUT"   # a rerun of some steps
 
 The report records the commit it ran: ``git rev-parse HEAD`` where the tree has its git directory,
 else the stamp ``--dry-run`` wrote into the tree (``GPU_CHECK_COMMIT``; the device machine gets
-a copy of the working tree without ``.git``).
+a copy of the working tree without ``.git``). Results go to ``gpu-check/<date>/`` (docs/performance.md
+summarises each run).
 
-The exactness steps live in ``jobs/gpu_exactness.py``. Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench.speed`` only: nothing from ``pipeline``
-(pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with the reason,
-when the budget has less time left than its estimate or it cannot run here (CUDA only, no
-flash-attn); one that raises is recorded with its error and the next runs; a timer interrupts one
-that outruns the budget. ``<out>/gpu-check.json`` is rewritten (temp + rename) after EVERY step, so
-a run stopped early still returns what it measured; bench steps also write ``bench-<device>.json``.
+The exactness steps live in ``jobs/gpu_exactness.py``, the cost steps in ``jobs/gpu_costs.py``.
+Imports torch, transformers, pyarrow, ``orthrus`` and ``jobs.bench.speed`` only: nothing from
+``pipeline`` (pydantic, Ray), which a bare GPU image lacks. Steps run in order; one is skipped, with
+the reason, when the budget has less time left than its estimate or it cannot run here (CUDA only,
+no flash-attn, an engine without ``compile``); one that raises is recorded with its error and the
+next runs; a timer interrupts one that outruns the budget. ``<out>/gpu-check.json`` is rewritten
+(temp + rename) after EVERY step, the cost grids after every batch size (``costs-<mode>.json``), so
+a run stopped early still returns what it measured.
 
-| step                       | what                                                          | H200 s, est. |
-|----------------------------|---------------------------------------------------------------|--------------|
-| sdpa_backends              | SDPA flags, priority; the backend the engine's shapes get     |  5           |
-| fp32_graphs_vs_eager       | fp32 bundled model: CUDA graphs vs eager, token for token     | 30           |
-| paged_preemption           | fp32, graphs: a KV pool of ~1 row (preemption) vs a roomy one | 20           |
-| bf16_speculative_vs_ar     | what the job's lossless audit reports on a bf16 run           | 15           |
-| bf16_flash_graphs_vs_eager | flash + graphs vs eager SDPA (with flash-attn only)           | 20           |
-| sync_debug                 | one decode iteration under ``set_sync_debug_mode("warn")``    | 10           |
-| bench_model                | bf16 Qwen3-1.7B-shaped random weights + the HF twin           | 40           |
-| bench_forward_profile      | ms per forward, B in {1, 8, 32, 128} x T in {1 ... 32}        | 20           |
-| bench_b1                   | orthrus, ar; rows = B, 64 new tokens, 2 reps + a warm-up      | 30           |
-| bench_b8 / b32 / b128      | orthrus, auto, ar, hf (transformers ``generate``)             | 40 / 45 / 70 |
-| bench_eager_b1 / b8        | eager SDPA (no CUDA graphs), orthrus and ar: the baseline     | 30 / 30      |
-| bench_verify               | a K = 8 cycle at B = 64, 128: every draft vs 3/8, 2/8 (pinned) | 60           |
-| bench_plot                 | ``bench-cuda.png``                                            |  5           |
+| step                       | what                                                                 | s, est. |
+|----------------------------|----------------------------------------------------------------------|---------|
+| sdpa_backends              | SDPA flags, priority; the backend the engine's shapes get            |   4     |
+| fp32_graphs_vs_eager       | fp32 bundled model: CUDA graphs vs eager, token for token            |  25     |
+| fp32_compiled_vs_eager     | fp32: compiled + graphs vs eager (greedy spec and AR, sampled), spec == AR | 35 |
+| paged_preemption           | fp32, graphs: a KV pool of ~1 row (preemption) vs a roomy one        |  12     |
+| bf16_speculative_vs_ar     | what the job's lossless audit reports on a bf16 run                  |  12     |
+| bf16_flash_graphs_vs_eager | flash + graphs vs eager SDPA (with flash-attn only)                  |  20     |
+| sync_debug                 | one decode iteration under ``set_sync_debug_mode("warn")``           |   8     |
+| bench_model                | bf16 Qwen3-1.7B-shaped random weights + the HF twin                  |  30     |
+| profile_ar_step            | profiler, AR steps at B = 8, eager and graphs: kernels/step, top 10, host gap, trace | 20 |
+| costs_graphs               | ms per AR step and per cycle, R, for B in {1..256} x K in {8, 16, 32} |  70     |
+| costs_compiled             | the same, compiled (compile time included)                           |  90     |
+| costs_eager                | the same, eager (no graphs): the baseline                            |  40     |
+| sampling_cost              | an AR step sampling (T 0.8, top-p 0.95) / greedy at V = 151,936, B = 8, 64 | 14 |
+| bench_b8 / b64             | generation: orthrus, auto (graphs), ar, hf ``generate``; 64 new tokens | 30 / 30 |
+| bench_verify               | a K = 8 cycle at B = 64, 128: every draft vs 3/8, 2/8 (pinned)       |  40     |
 
-Measured on the H200 (2026-12-04, ``gpu-check/``): the whole run took 239 s without flash-attn (the
-image has none). An eager forward of the 1.7B shape is launch-bound, 25-45 ms at any B and T (about
-4,500 aten ops a K = 32 cycle, 2,300 an AR step, at ~6 us each); with CUDA graphs (the default on
-CUDA since then) an AR step at B = 8 is ~5x faster. Random weights accept ~no drafts (a 64-token
-row = 64 cycles). The estimates above are those first timings with a margin for first-use costs.
+The estimates come from the first H200 run (2026-12-04: 239 s for its 16 steps; an eager forward of
+the 1.7B shape was launch-bound, 25-45 ms at any B and T; an AR step replayed from a CUDA graph ~5x
+faster) with a margin for first-use costs; the compiled steps' include compiling. Random weights
+accept ~no drafts: only costs mean anything in the bench and cost steps.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
 import sys
 import warnings
 from contextlib import contextmanager
@@ -53,21 +59,29 @@ import transformers
 
 from jobs.bench import common
 from jobs.bench import speed as bench
+from jobs import gpu_costs
 from jobs.bench import verify as verify_bench
 from jobs.gpu_budget import STAMP, Budget, Step, commit, guard, write_json
-from jobs.gpu_exactness import (bf16_flash_graphs_vs_eager, bf16_speculative_vs_ar, fp32_graphs_vs_eager,
-                                load_prompts, paged_preemption)
-from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
+from jobs.gpu_exactness import (bf16_flash_graphs_vs_eager, bf16_speculative_vs_ar, fp32_compiled_vs_eager,
+                                fp32_graphs_vs_eager, load_prompts, paged_preemption)
+from orthrus import EngineSettings, OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from orthrus.testing.host_syncs import count_host_reads
 from orthrus.model import flash
 
-# Per device: exactness prompts and new tokens; bench batch sizes, new tokens, timed repetitions.
-SIZES = {"cuda": {"n": 24, "max_new": 64, "batch_sizes": (1, 8, 32, 128), "bench_new": 64, "reps": 2},
-         "cpu": {"n": 10, "max_new": 12, "batch_sizes": (1, 2), "bench_new": 8, "reps": 1}}
-ESTIMATE_S = {"sdpa_backends": 5, "fp32_graphs_vs_eager": 30, "paged_preemption": 20, "bf16_speculative_vs_ar": 15,
-              "bf16_flash_graphs_vs_eager": 20, "sync_debug": 10, "bench_model": 40, "bench_forward_profile": 20,
-              "bench_b1": 30, "bench_b8": 40, "bench_b32": 45, "bench_b128": 70,
-              "bench_eager_b1": 30, "bench_eager_b8": 30, "bench_verify": 60, "bench_plot": 5}
+# Per device: exactness prompts and new tokens; bench batch sizes, new tokens, timed repetitions; the
+# cost grid (batch sizes x block sizes, timed steps per cell), the profiled and the sampling batch sizes.
+SIZES = {"cuda": {"n": 24, "max_new": 64, "batch_sizes": (8, 64), "bench_new": 64, "reps": 2,
+                  "cost_batch_sizes": (1, 8, 32, 64, 128, 256), "cost_blocks": (8, 16, 32), "cost_steps": 5,
+                  "profile_b": 8, "sampling_batch_sizes": (8, 64)},
+         "cpu": {"n": 10, "max_new": 12, "batch_sizes": (1, 2), "bench_new": 8, "reps": 1,
+                 "cost_batch_sizes": (1, 2), "cost_blocks": (2, 4), "cost_steps": 2,
+                 "profile_b": 2, "sampling_batch_sizes": (2,)}}
+# Seconds per step at CUDA's sizes (the 2026-12-04 H200 run's timings with a margin; the compiled
+# steps' figures include compiling): they sum to at most the default 480 s budget.
+ESTIMATE_S = {"sdpa_backends": 4, "fp32_graphs_vs_eager": 25, "fp32_compiled_vs_eager": 35, "paged_preemption": 12,
+              "bf16_speculative_vs_ar": 12, "bf16_flash_graphs_vs_eager": 20, "sync_debug": 8, "bench_model": 30,
+              "profile_ar_step": 20, "costs_graphs": 70, "costs_compiled": 90, "costs_eager": 40,
+              "sampling_cost": 14, "bench_b8": 30, "bench_b64": 30, "bench_verify": 40}
 # The engine's SDPA calls in the bench's shape (H = 16, Hk = 8, D = 128) as (rows, queries, keys),
 # always masked with grouped KV heads: eager keys rounded up to 128s, static ones the whole capacity.
 SDPA_SHAPES = {"ar_step_b8": (8, 1, 256), "cycle_b8": (8, 32, 384), "cycle_b128": (128, 32, 384),
@@ -161,13 +175,12 @@ class Check(Budget):
     def prompts(self) -> list[list[int]]:
         return load_prompts(self.args.model, self.args.prompts, self.sizes["n"])
 
-    def bench_args(self, eager: bool = False) -> argparse.Namespace:
-        """The trimmed bench: rows = B (one wave), few repetitions; eager SDPA (no graphs) if asked."""
+    def bench_args(self) -> argparse.Namespace:
+        """The trimmed bench: rows = B (one wave), few repetitions, the engine's defaults (graphs on CUDA)."""
         args = common.parse_args(["speed", "--device", self.device.type, "--model", self.args.model, "--prompts",
                                   self.args.prompts, "--max-new-tokens", str(self.sizes["bench_new"]), "--reps",
-                                  str(self.sizes["reps"]), "--min-rows", "1", "--no-job",
-                                  "--attention", "sdpa" if eager else "auto"])
-        args.cuda_graphs = False if eager else None
+                                  str(self.sizes["reps"]), "--min-rows", "1", "--no-job", "--attention", "auto"])
+        args.cuda_graphs = None
         return args
 
     def bench_model(self) -> dict:
@@ -178,25 +191,38 @@ class Check(Budget):
         head = {"device": args.device, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
                 "block_size": model.block_size, "reps": args.reps, "rows": "B"}
         self.bench["report"] = {**head, "results": {}}
-        self.bench["eager_report"] = {**head, "attention": "sdpa", "cuda_graphs": False, "results": {}}
         return {"parameters": sum(p.numel() for p in model.parameters()), "prompts": len(prompts), **_cuda_mib()}
 
-    def bench_forward_profile(self) -> dict:
-        ms = bench.forward_profile(self.bench["model"], list(self.sizes["batch_sizes"]))
-        self.bench["report"]["forward_ms"] = ms
-        self._save_bench()
-        return ms
+    def costs(self, mode: str) -> dict:
+        """ms per AR step and per cycle, R, AR tokens/s over the cost grid (``gpu_costs.step_costs``),
+        each batch size's cell written to ``costs-<mode>.json`` as it lands (a step cut by the budget
+        still returns its cells)."""
+        sizes, cells = self.sizes, {}
+        for b in sizes["cost_batch_sizes"]:
+            cells.update(guard_cell(lambda b=b: gpu_costs.step_costs(
+                self.bench["model"], self.bench["prompts"], (b,), sizes["cost_blocks"], mode, sizes["cost_steps"]), b))
+            write_json(self.out / f"costs-{mode}.json", {"mode": mode, **_cuda_mib(), "cells": cells})
+        return cells
 
-    def bench_batch(self, b: int, eager: bool = False) -> dict:
-        # At B = 1, HF generate and the auto policy's probing are the slowest cells and tell the least.
-        modes = ["orthrus", "ar"] if b == 1 or eager else list(bench.MODES)
+    def profile_ar_step(self) -> dict:
+        return gpu_costs.profile_ar_step(self.bench["model"], self.bench["prompts"], self.sizes["profile_b"],
+                                         self.sizes["cost_steps"], self.out)
+
+    def sampling_cost(self) -> dict:
+        return gpu_costs.sampling_cost(self.bench["model"], self.bench["prompts"], self.sizes["sampling_batch_sizes"],
+                                       self.sizes["cost_steps"])
+
+    def bench_batch(self, b: int) -> dict:
+        """Generation at B rows: orthrus, auto (with graphs on CUDA), our AR and HF ``generate``."""
+        # At B = 1 (the CPU smoke run), HF generate and the auto policy's probing tell the least.
+        modes = ["orthrus", "ar"] if b == 1 else list(bench.MODES)
         st = self.bench
         with warnings.catch_warnings(record=True) as caught:     # a failed capture warns (graphs.py)
             warnings.simplefilter("always")
-            cells = bench.bench_batch(b, self.bench_args(eager), st["model"], st["prompts"], st["hf"], modes)
+            cells = bench.bench_batch(b, self.bench_args(), st["model"], st["prompts"], st["hf"], modes)
         cells["warnings"] = sorted({str(w.message)[:300] for w in caught})[:10]
         bench.print_row(b, cells)
-        st["eager_report" if eager else "report"]["results"][str(b)] = cells
+        st["report"]["results"][str(b)] = cells
         self._save_bench()
         return cells
 
@@ -210,16 +236,25 @@ class Check(Budget):
         self._save_bench()
         return costs
 
-    def bench_plot(self) -> dict:
-        path = self.out / f"bench-{self.device.type}.png"
-        bench.plot(self.bench["report"], str(path))
-        return {"plot": path.name}
-
     def _save_bench(self) -> None:
-        dev = self.device.type
-        for key, name in (("report", f"bench-{dev}.json"), ("eager_report", f"bench-{dev}-eager.json")):
-            if self.bench[key].get("results") or self.bench[key].get("forward_ms"):
-                write_json(self.out / name, {**self.bench[key], **_cuda_mib()})
+        if self.bench["report"].get("results") or self.bench["report"].get("verify_budget"):
+            write_json(self.out / f"bench-{self.device.type}.json", {**self.bench["report"], **_cuda_mib()})
+
+
+def guard_cell(fn, b: int) -> dict:
+    """One batch size's cost cell, or its error (out of memory at B = 256 must not lose B = 128)."""
+    try:
+        return fn()
+    except Exception as err:      # noqa: BLE001 - recorded; the next batch size runs
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {f"B={b}": {"error": f"{type(err).__name__}: {err}"[:500]}}
+
+
+def compile_missing() -> str | None:
+    """Why the ``compiled`` steps cannot run on this tree (an engine without the setting), or None."""
+    names = {f.name for f in dataclasses.fields(EngineSettings)}
+    return None if "compile" in names else "this engine has no compile setting (EngineSettings.compile)"
 
 
 def _cuda_mib() -> dict:
@@ -235,20 +270,21 @@ def _environment(device: torch.device) -> dict:
             "flash_attn": flash.unavailable_reason(device, torch.bfloat16) or "importable", "commit": commit()}
 
 
-def dry_run(args: argparse.Namespace, stamp_path: Path = STAMP) -> None:
-    """Print the plan (each step, its estimate, their sum against the budget) and stamp the commit
-    at ``stamp_path`` (the tree's ``GPU_CHECK_COMMIT``: the device machine's copy has no ``.git``)."""
+def dry_run(args: argparse.Namespace, stamp_path: Path = STAMP) -> dict:
+    """Print the plan as JSON (each step and its estimated seconds at the device's sizes, their sum,
+    the budget, the commit) and stamp the commit at ``stamp_path`` (the tree's ``GPU_CHECK_COMMIT``:
+    the device machine's copy has no ``.git``) → the plan."""
     check = Check.__new__(Check)          # the steps' names only: no output directory, no report
     check.args, check.device, check.sizes, check.bench = args, torch.device(args.device), SIZES[args.device], {}
     names = [s.name for s in selected(steps(check), args.only) if s.why_not is None or s.why_not() != "not in --only"]
-    total = sum(ESTIMATE_S.get(n, 0) for n in names)
-    for n in names:
-        print(f"  {n:<28} {ESTIMATE_S.get(n, 0):>4} s", flush=True)
     stamp = commit()
     if stamp is not None:
         stamp_path.write_text(stamp + "\n")
-    print(f"[gpu_check] plan: {len(names)} steps, about {total} s (budget {args.budget_s:.0f} s); commit {stamp}",
-          flush=True)
+    plan = {"steps": [{"name": n, "estimate_s": ESTIMATE_S.get(n, 0)} for n in names],
+            "total_s": sum(ESTIMATE_S.get(n, 0) for n in names), "budget_s": args.budget_s, "commit": stamp,
+            "out": args.out}
+    print(json.dumps(plan, indent=1), flush=True)
+    return plan
 
 
 def steps(check: Check) -> list[Step]:
@@ -258,30 +294,33 @@ def steps(check: Check) -> list[Step]:
     def has_model() -> str | None:
         return "--skip-bench" if a.skip_bench else (None if "model" in check.bench else "bench_model did not run")
 
-    def on_cuda() -> str | None:
-        return f"needs CUDA (running on {dev})" if dev != "cuda" else has_model()
+    def compiled() -> str | None:
+        return compile_missing() or has_model()
 
     def exact(fn):
         return lambda: fn(a.model, check.prompts, dev, sizes["max_new"])
     out = [Step("sdpa_backends", lambda: sdpa_backends(check.device)),
            Step("fp32_graphs_vs_eager", exact(fp32_graphs_vs_eager)),
+           Step("fp32_compiled_vs_eager", exact(fp32_compiled_vs_eager), compile_missing),
            Step("paged_preemption", exact(paged_preemption)),
            Step("bf16_speculative_vs_ar", exact(bf16_speculative_vs_ar)),
            Step("bf16_flash_graphs_vs_eager", exact(bf16_flash_graphs_vs_eager),
                 lambda: flash.unavailable_reason(check.device, torch.bfloat16)),
            Step("sync_debug", lambda: sync_debug(a.model, check.prompts, dev)),
            Step("bench_model", check.bench_model, lambda: "--skip-bench" if a.skip_bench else None),
-           Step("bench_forward_profile", check.bench_forward_profile, has_model)]
+           Step("profile_ar_step", check.profile_ar_step, has_model),
+           Step("costs_graphs", lambda: check.costs("graphs"), has_model),
+           Step("costs_compiled", lambda: check.costs("compiled"), compiled),
+           Step("costs_eager", lambda: check.costs("eager"), has_model),
+           Step("sampling_cost", check.sampling_cost, has_model)]
     out += [Step(f"bench_b{b}", lambda b=b: check.bench_batch(b), has_model) for b in sizes["batch_sizes"]]
-    out += [Step(f"bench_eager_b{b}", lambda b=b: check.bench_batch(b, eager=True), on_cuda) for b in (1, 8)]
-    out.append(Step("bench_verify", check.bench_verify, has_model))
-    return out + [Step("bench_plot", check.bench_plot,
-                       lambda: None if check.bench.get("report", {}).get("results") else "no bench results")]
+    return out + [Step("bench_verify", check.bench_verify, has_model)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="gpu-check")
+    ap.add_argument("--out", default=f"gpu-check/{datetime.date.today().isoformat()}",
+                    help="the report's directory (default gpu-check/<today>)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the smoke run at tiny sizes, CUDA-only parts recorded as skipped")
     ap.add_argument("--budget-s", type=float, default=480.0,

@@ -53,6 +53,23 @@ def fp32_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> 
     return {**report, "cuda_graphs": graphs}
 
 
+def fp32_compiled_vs_eager(model_dir: str, prompts, device: str, max_new: int) -> dict:
+    """Compiled kernels (``compile=True``, under CUDA graphs on CUDA) vs eager SDPA, float32: greedy
+    speculative and AR, and seeded sampling; plus speculative == AR with compile on."""
+    model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
+    report, graphs = {}, {}
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=max_new, seed=i) for i in range(len(prompts))]
+    compiled = {}
+    for name, params, spec in (("greedy", greedy, True), ("greedy_ar", greedy, False), ("sampled", sampled, True)):
+        eager, _ = _tokens(model, prompts, params, attention="sdpa", static_shapes=False, speculative=spec)
+        compiled[name], graphs[name] = _tokens(model, prompts, params, attention="sdpa", static_shapes=True,
+                                               compile=True, speculative=spec)
+        report[f"fp32_{name}_compiled_vs_eager"] = _agreement(compiled[name], eager)
+    report["fp32_greedy_compiled_speculative_vs_ar"] = _agreement(compiled["greedy"], compiled["greedy_ar"])
+    return {**report, "cuda_graphs": graphs}
+
+
 def paged_preemption(model_dir: str, prompts, device: str, max_new: int) -> dict:
     """The paged KV cache under pressure, float32 with graphs: a pool of one row at full length plus
     a page, so rows are preempted and their K/V recomputed, vs the default pool (every slot at full

@@ -3,6 +3,7 @@ tokenizer once per process."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 
@@ -43,14 +44,43 @@ def resolve_model_dir(cfg: ModelConfig, storage: StorageConfig = StorageConfig()
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer (cached: Ray reuses worker processes across tasks)."""
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer (cached: Ray reuses worker processes across tasks): the class its
+    ``tokenizer_config.json`` names where transformers exports one, else ``AutoTokenizer``'s pick.
 
+    Why not always ``AutoTokenizer``: importing it imports transformers' config machinery, which
+    imports torch (2-4 s on a small machine) in the driver's preflight and in every read task that
+    tokenizes, none of which runs the model. For the named class AutoTokenizer builds the same
+    tokenizer (tests/unit/test_startup_imports.py compares both on our two tokenizers)."""
+    named = _named_tokenizer_class(model_dir)
     try:
+        if named is not None:
+            return named.from_pretrained(model_dir)
+        from transformers import AutoTokenizer
+
         # Explicit: tokenizer_config.json's auto_map must never make a checkpoint a source of code.
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a missing/broken tokenizer
         raise ConfigError(f"model.path: cannot load a tokenizer from {model_dir} ({type(e).__name__}: {e})") from None
+
+
+def _named_tokenizer_class(model_dir: str) -> type | None:
+    """The tokenizer class ``tokenizer_config.json`` names, if transformers exports it (never a
+    checkpoint's own code: ``auto_map`` is not read); None: let ``AutoTokenizer`` decide."""
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    import transformers
+
+    try:
+        found = getattr(transformers, name, None)
+    except Exception:  # noqa: BLE001 - a lazily imported class whose module fails: AutoTokenizer decides
+        return None
+    base = transformers.PreTrainedTokenizerBase
+    return found if isinstance(found, type) and issubclass(found, base) else None
 
 
 def check_weight_headers(model_dir: str) -> None:

@@ -25,3 +25,23 @@ def test_the_model_and_its_loading_import_no_transformers_model_code_nor_torchs_
     load = "import orthrus\northrus.OrthrusForCausalLM.from_pretrained('models/tiny-orthrus-py')\nimport orthrus.engine.engine"
     assert _loaded_after(load, ("transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
                                 "torch._dynamo", "sympy", "scipy")) == []
+
+
+def test_the_tokenizer_loads_without_torch_and_equals_autotokenizers(qwen3_tokenizer_dir):
+    """The driver's preflight and the read tasks load the class ``tokenizer_config.json`` names
+    (no torch), and it is the tokenizer ``AutoTokenizer`` builds: same class, same ids, same chat text."""
+    load = "from pipeline.storage.model_files import load_tokenizer\nload_tokenizer('models/tiny-orthrus-py')"
+    assert _loaded_after(load, ("torch",)) == []
+    from transformers import AutoTokenizer
+
+    from pipeline.storage.model_files import load_tokenizer
+
+    text = "def add(a, b):\n    return a + b  # caf\u00e9 <think> \u4f60\u597d"
+    chat = [{"role": "user", "content": text}]
+    for d in (str(REPO / "models/tiny-orthrus-py"), str(qwen3_tokenizer_dir)):
+        ours, auto = load_tokenizer(d), AutoTokenizer.from_pretrained(d)
+        assert type(ours) is type(auto)
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert (ours.eos_token_id, ours.pad_token_id, len(ours)) == (auto.eos_token_id, auto.pad_token_id, len(auto))
