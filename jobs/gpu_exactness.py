@@ -1,6 +1,6 @@
 """The GPU check's exactness steps (``jobs/gpu_check.py``): the engine's tokens on real kernels
-against its own reference paths — CUDA graphs vs eager (float32), a tight KV pool with preemption
-vs a roomy one, speculative vs AR and flash + graphs vs eager SDPA (bf16). Imports torch,
+against its own reference paths — CUDA graphs vs eager and compiled vs eager (float32), a tight KV
+pool with preemption vs a roomy one, speculative vs AR and flash + graphs vs eager SDPA (bf16). Imports torch,
 transformers and ``orthrus`` only (the device image has no pydantic or Ray).
 """
 from __future__ import annotations
@@ -117,11 +117,3 @@ def bf16_flash_graphs_vs_eager(model_dir: str, prompts, device: str, max_new: in
     agree, graphs = _bf16_greedy(model_dir, prompts, device, max_new, {"attention": "flash", "static_shapes": True},
                                  {"attention": "sdpa", "static_shapes": False})
     return {"bf16_greedy_flash_graphs_vs_eager": agree, "flash_cuda_graphs": graphs}
-
-
-def exactness(model_dir: str, shards: str, device: str = "cuda", n: int = 24, max_new: int = 64) -> dict:
-    """The three exactness checks above in one call, on ``n`` held-out prompts."""
-    prompts = load_prompts(model_dir, shards, n)
-    return {**fp32_graphs_vs_eager(model_dir, prompts, device, max_new),
-            **bf16_speculative_vs_ar(model_dir, prompts, device, max_new),
-            **bf16_flash_graphs_vs_eager(model_dir, prompts, device, max_new)}
