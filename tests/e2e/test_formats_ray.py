@@ -1,6 +1,6 @@
 """OpenAI-batch files through the job on Ray: killed mid-run, resumed, errors retried.
 
-1,000 request lines (a few malformed, a few invalid) go in; the run is SIGKILLed after its first
+300 request lines (a few malformed, a few invalid) go in, in 20 batches; the run is SIGKILLed after its first
 commits and resumed; every custom_id must then be exactly once in results.jsonl or errors.jsonl,
 and the lines must follow the OpenAI Batch output format.
 """
@@ -17,9 +17,9 @@ import yaml
 from support.paths import REPO
 from support.ray_head import base_env, killpg, wait_for
 
-N = 1000
-BAD_LINES = {17: "{not json", 400: '["an array"]'}                # malformed: error rows naming the line
-INVALID = {5: {"n": 2}, 250: {"max_tokens": -1}, 999: {"temperature": "hot"}}   # well-formed, refused
+N, BATCH = 300, 15          # 20 batches: the kill lands between commits with most of them unfinished
+BAD_LINES = {17: "{not json", 200: '["an array"]'}                # malformed: error rows naming the line
+INVALID = {5: {"n": 2}, 150: {"max_tokens": -1}, N - 1: {"temperature": "hot"}}   # well-formed, refused
 
 
 def _request(i: int) -> str:
@@ -42,7 +42,7 @@ def test_openai_batch_killed_and_resumed_has_every_custom_id_once(tiny_orthrus_d
     cfg = {"input": {"paths": [str(tmp_path / "in")], "format": "openai_batch"},
            "output": {"path": str(out), "part_bytes": 1},            # a part per batch: killed between commits
            "model": {"path": str(tiny_orthrus_dir)},
-           "engine": {"batch_size": 50, "max_batch_size": 16, "dtype": "float32"}}
+           "engine": {"batch_size": BATCH, "max_batch_size": 16, "dtype": "float32"}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / "job.yaml")]
     # each actor runs 2 batches, then holds the rest at a barrier never released (hold_after): the kill
@@ -58,7 +58,7 @@ def test_openai_batch_killed_and_resumed_has_every_custom_id_once(tiny_orthrus_d
         finally:
             killpg(driver, grace=0)                       # SIGTERM then SIGKILL: the driver and its Ray
     committed = len(list((out / "data").glob("part-*.parquet")))
-    assert driver.returncode != 0 and 0 < committed < N // 50, (tmp_path / "killed.log").read_text()[-3000:]
+    assert driver.returncode != 0 and 0 < committed < N // BATCH, (tmp_path / "killed.log").read_text()[-3000:]
     assert not (out / "results.jsonl").exists()           # rendered only once every row is done
 
     proc = subprocess.run([*cmd, "--resume"], cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=600)
