@@ -18,7 +18,7 @@ import yaml
 
 from support.constraints import EXPLODES
 from support.paths import REPO
-from support.ray_head import base_env
+from support.ray_head import HANG_S, base_env
 
 
 GOOD = [
@@ -92,7 +92,7 @@ def _job(model: str, tmp_path: Path, name: str, files: dict[str, bytes]) -> tupl
            "sampling": {"max_new_tokens": 10}, "engine": {"batch_size": 8, "max_batch_size": 4, "dtype": "float32"}}
     (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(tmp_path / name / "job.yaml")],
-                          cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=HANG_S)
     return proc, out
 
 

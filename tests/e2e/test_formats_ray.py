@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from support.paths import REPO
-from support.ray_head import base_env, killpg, wait_for
+from support.ray_head import HANG_S, base_env, killpg, wait_for
 
 N, BATCH = 300, 15          # 20 batches: the kill lands between commits with most of them unfinished
 BAD_LINES = {17: "{not json", 200: '["an array"]'}                # malformed: error rows naming the line
@@ -54,14 +54,14 @@ def test_openai_batch_killed_and_resumed_has_every_custom_id_once(tiny_orthrus_d
                                   start_new_session=True)
         try:
             wait_for(lambda: list((out / "data").glob("part-*.parquet")) or driver.poll() is not None,
-                     "a committed part", timeout=240)
+                     "a committed part")
         finally:
             killpg(driver, grace=0)                       # SIGTERM then SIGKILL: the driver and its Ray
     committed = len(list((out / "data").glob("part-*.parquet")))
     assert driver.returncode != 0 and 0 < committed < N // BATCH, (tmp_path / "killed.log").read_text()[-3000:]
     assert not (out / "results.jsonl").exists()           # rendered only once every row is done
 
-    proc = subprocess.run([*cmd, "--resume"], cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*cmd, "--resume"], cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results, errors = _lines(out / "results.jsonl"), _lines(out / "errors.jsonl")
     ids = Counter(line["custom_id"] for line in results + errors)
@@ -80,7 +80,7 @@ def test_openai_batch_killed_and_resumed_has_every_custom_id_once(tiny_orthrus_d
     assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
     retried = subprocess.run([*cmd, "--retry-errors"], cwd=REPO, env=base_env(), capture_output=True, text=True,
-                             timeout=600)
+                             timeout=HANG_S)
     assert retried.returncode == 0, retried.stdout[-4000:] + retried.stderr[-4000:]
     again = Counter(line["custom_id"] for line in _lines(out / "results.jsonl") + _lines(out / "errors.jsonl"))
     assert again == ids                                    # the bad requests fail again, still once each

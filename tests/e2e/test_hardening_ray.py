@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +17,7 @@ import yaml
 from support.hostile import hostile_rows
 from support.job_inputs import tree_snapshot
 from support.paths import REPO
-from support.ray_head import base_env, row_keys, wait_for
+from support.ray_head import HANG_S, base_env, row_keys, wait_for
 
 
 
@@ -35,7 +34,7 @@ def _generate(head, job: Path, *args: str, env: dict | None = None, wait: bool =
     full_env = {**base_env(), "RAY_ADDRESS": head["gcs"], **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=HANG_S)
 
 
 def test_hostile_rows_view_types_and_hive_partitions_end_to_end(head, tiny_orthrus_dir, tmp_path):
@@ -72,18 +71,16 @@ def test_one_writer_per_output_dir_and_the_dedupe_repair(head, tiny_orthrus_dir,
     first = _generate(head, job, env={"ORTHRUS_FAULT_INJECT": f"hold_after:0:{gate}"}, wait=False)
     try:
         lease = tmp_path / "out" / "_lease.json"
-        wait_for(lambda: lease.exists() or first.poll() is not None, "the first job's lease", timeout=120)
+        wait_for(lambda: lease.exists() or first.poll() is not None, "the first job's lease")
         assert first.poll() is None, first.communicate()[1][-3000:]
         holder = json.loads(lease.read_text())
-        for flag in ("--resume", "--overwrite"):        # a second job is refused at once, naming the first
-            t0 = time.time()
-            second = _generate(head, job, flag)        # waiting for the lease would hang: the first is held
+        for flag in ("--resume", "--overwrite"):        # a second job is refused, naming the first; had it
+            second = _generate(head, job, flag)        # waited for the lease it would never end (the first is held)
             assert second.returncode == 2, f"not refused: {second.stdout[-1500:]}{second.stderr[-1500:]}"
             assert f"is in use by another job: run {holder['run_id']} (pid {first.pid} on " in second.stderr
-            assert time.time() - t0 < 120             # generous: a loaded machine's start-up, not a wait
     finally:
         gate.touch()                                   # release the first job (also when the test fails)
-    out, err = first.communicate(timeout=300)
+    out, err = first.communicate(timeout=HANG_S)
     assert first.returncode == 0, out[-3000:] + err[-3000:]
     assert not lease.exists() and sorted(k for k, _ in row_keys((tmp_path / "out" / "data").glob("*.parquet"))) == \
         sorted(ids)

@@ -40,14 +40,14 @@ import pytest
 import yaml
 
 from support.paths import REPO
-from support.ray_head import killpg
+from support.ray_head import HANG_S, killpg
 
 
 VENV_BIN = Path(sys.executable).parent
 
 ROWS = 40                 # one shard; batch_size 2 -> 20 batches, 8 in flight at a time (2 actors x 4)
 HOLD_AFTER = 2            # batches each actor runs before it waits for the gate (ORTHRUS_FAULT_INJECT=hold_after)
-JOB_TIMEOUT = 240         # seconds a job may take before the test calls it a hang
+JOB_TIMEOUT = HANG_S      # seconds a job may take before the test calls it a hang (support.ray_head)
 HEAD_LOSS_GRACE = 20      # seconds a driver whose head died may take to end by itself (then SIGKILL)
 GCS_RECONNECT_S = 5       # the driver's RAY_gcs_rpc_server_reconnect_timeout_s in that test (Ray's default: 60)
 
@@ -116,7 +116,7 @@ class SimCluster:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=_env(),
                                      cwd=self.temp, start_new_session=True, bufsize=0)   # unbuffered: select()
         self.stopped = False
-        info = self._reply(timeout=120)
+        info = self._reply(timeout=HANG_S)
         self.gcs, self.head, self.workers = info["gcs"], info["head"], info["workers"]
 
     def log_tail(self, n: int = 3000) -> str:
@@ -244,7 +244,7 @@ def _rows(out: Path) -> list[dict]:
             for r in pq.read_table(f, columns=["id", "sample_index", "finish_reason", "error"]).to_pylist()]
 
 
-def _wait_for_part(job: Job, out: Path, timeout: float = 240) -> int:
+def _wait_for_part(job: Job, out: Path, timeout: float = HANG_S) -> int:
     """Wait until the running job has committed a part → how many parts there are then."""
     deadline = time.time() + timeout
     while not (n := len(_parts(out))):

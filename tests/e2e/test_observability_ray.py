@@ -27,7 +27,7 @@ import yaml
 from pipeline.actor.audit import is_audited
 from support.job_inputs import write_parquet
 from support.paths import REPO, VENV_BIN
-from support.ray_head import base_env, part_digests, row_keys
+from support.ray_head import HANG_S, base_env, part_digests, row_keys
 
 BUNDLED = REPO / "models" / "tiny-orthrus-py"
 SAMPLE = re.compile(r'^(ray_orthrus_\w+)\{(.*)\} (\S+)$')
@@ -53,7 +53,7 @@ def _metrics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _wait_for_metrics(url: str, done, timeout: float = 180) -> dict:     # exports are periodic; a loaded node lags
+def _wait_for_metrics(url: str, done, timeout: float = HANG_S) -> dict:   # exports are periodic; a loaded node lags
     deadline = time.time() + timeout
     while True:
         got = _metrics(url)
@@ -71,7 +71,7 @@ def test_audit_times_cost_progress_and_live_metrics_on_a_real_head(head, tmp_pat
     cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--working-dir", str(REPO),
            "--runtime-env-json", json.dumps({"env_vars": {"RAY_AUTH_MODE": "disabled"}}), "--",
            "python", "-m", "jobs.generate", "--config", str(job)]
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = tmp_path / "out"
     rows = pq.read_table(out / "data").to_pylist()
@@ -146,7 +146,7 @@ def _generate_quietly(job: Path, env: dict, *args: str, hold_after: int | None =
     never = job.parent / "never"
     held = {"ORTHRUS_FAULT_INJECT": f"hold_after:{hold_after}:{never}"} if hold_after is not None else {}
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(job), *args], cwd=REPO,
-                          env={**env, **held}, capture_output=True, text=True, timeout=300)
+                          env={**env, **held}, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == status, proc.stdout[-4000:] + proc.stderr[-4000:]
     for notice in ("core_worker.cc", "Progress bars disabled", "Starting execution of Dataset"):
         assert notice not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
@@ -159,9 +159,8 @@ def _assert_a_clean_stop(proc: subprocess.CompletedProcess, out: Path, keys: lis
     traceback, complete parts holding each key at most once, and no marker."""
     assert "behaviour.max_wall_seconds=20 reached" in proc.stdout and "rerun with --resume" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]   # a clean stop
-    # the stalled batch never ends, so a driver that waited for it would hit the 300 s timeout above;
-    # the bound (start-up + the limit + the stop) has room for a loaded machine
-    assert took < 20 + 120, f"the driver took {took:.0f} s to stop"
+    # the stalled batch never ends (a barrier), so a driver that waited for it would never end: the
+    # guard stopped it, whatever the time it took to get there (no bound on ``took``: no race)
     summary = json.loads((out / "summary.json").read_text())
     done = row_keys(out / "data" / name for name in part_digests(out))
     assert summary["run"]["stopped_by"] == "max_wall_seconds" and not summary["run"]["complete"]

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from support.paths import REPO
 from support.qwen3_chat import END_THINK, NL2, THINK
-from support.ray_head import base_env
+from support.ray_head import HANG_S, base_env
 
 MAX_NEW = 12
 PROMPTS = {"free": "Hello, world!", "budget": "Tell me a story.", "zero": "写一首诗"}
@@ -37,7 +37,7 @@ def _run(d: Path, model_dir: Path, head: dict, **sections) -> None:
            **sections}
     (d / "job.yaml").write_text(yaml.safe_dump(cfg, allow_unicode=True))
     proc = subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(d / "job.yaml")], cwd=REPO,
-                          env={**base_env(), "RAY_ADDRESS": head["gcs"]}, capture_output=True, text=True, timeout=600)
+                          env={**base_env(), "RAY_ADDRESS": head["gcs"]}, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 

@@ -19,6 +19,7 @@ import pytest
 from jobs.local_s3 import iam_user, moto_server, upload
 from support.paths import REPO
 from support.racers import race
+from support.ray_head import HANG_S
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, ModelConfig, StorageConfig
 from pipeline.storage.lease import LeaseHeld
@@ -227,7 +228,7 @@ def test_model_is_downloaded_once_per_node_reused_and_refetched_when_it_changes(
               f"StorageConfig(endpoint='{s3['endpoint']}', model_cache_dir='{tmp_path / 'cache'}')))")
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    outputs = [p.communicate(timeout=HANG_S)[0] for p in procs]
     assert sum("[orthrus] model s3://bkt/models/tiny: downloaded" in o for o in outputs) == 1, outputs
     local = Path(outputs[0].strip().splitlines()[-1])
     for f in (REPO / "models" / "tiny-orthrus-py").iterdir():
@@ -263,7 +264,7 @@ def _generate(config: dict, tmp_path: Path, env: dict) -> subprocess.CompletedPr
     full = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     return subprocess.run([sys.executable, "-m", "jobs.generate", "--config", str(path)], cwd=REPO,
                           env={**full, "AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": "us-east-1", **env},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_S)
 
 
 def test_bad_uri_missing_bucket_and_bad_credentials_exit_2_naming_the_field(tmp_path):
@@ -308,7 +309,7 @@ def test_an_upload_cut_short_never_becomes_a_part(s3):
     from pipeline.output.directory import OutputDir
 
     proc = subprocess.run([sys.executable, "-c", _CUT_SHORT, s3["endpoint"]], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_S)
     assert proc.returncode == 9 and "written" in proc.stdout, proc.stderr[-2000:]
     out = OutputDir("s3://bkt/cut", s3["storage"])
     assert out.part_files() == [] and out.done()[0].rows == 0

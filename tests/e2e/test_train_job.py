@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, Qwen3Config
 
 from orthrus import OrthrusForCausalLM
 from support.paths import REPO
+from support.ray_head import HANG_S
 
 ROOT = REPO
 BUNDLED = ROOT / "models" / "tiny-orthrus-py"
@@ -32,7 +33,7 @@ def _tiny_dir(tmp: Path) -> Path:
 
 
 def _run(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "jobs.train", *args], cwd=ROOT, check=True, timeout=300,
+    subprocess.run([sys.executable, "-m", "jobs.train", *args], cwd=ROOT, check=True, timeout=HANG_S,
                    capture_output=True)
 
 

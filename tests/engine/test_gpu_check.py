@@ -133,16 +133,17 @@ def test_steps_are_skipped_recorded_and_interrupted_within_the_budget(tmp_path, 
             gpu_check.Step("saw", lambda: json.loads((tmp_path / "gpu-check.json").read_text())["steps"]),
             gpu_check.Step("fails", fails), gpu_check.Step("big", lambda: {}),
             gpu_check.Step("slow", lambda: time.sleep(30)), gpu_check.Step("after", lambda: {})]
-    start = time.monotonic()
     for step in plan:
         check.run(step)
-    assert time.monotonic() - start < 20    # the timer cut the 30 s step at the 2 s budget (room for a loaded machine)
     steps = json.loads((tmp_path / "gpu-check.json").read_text())["steps"]
     assert steps["ok"] == {"estimate_s": 0, "status": "ok", "result": {"x": 1}, "seconds": steps["ok"]["seconds"]}
     assert steps["saw"]["result"]["ok"]["status"] == "ok"  # written after the step before it
     assert steps["fails"]["status"] == "error" and "boom" in steps["fails"]["error"]
     assert steps["big"]["status"] == "skipped" and "estimated at 1000 s" in steps["big"]["reason"]
-    assert steps["slow"]["status"] == "interrupted" and steps["after"]["status"] == "skipped"
+    # "interrupted" only comes from the budget's timer: it cut the 30 s step (no bound on the wall time:
+    # a loaded machine may take long over the rest, and the test must not race the clock)
+    assert steps["slow"]["status"] == "interrupted"
+    assert steps["after"]["status"] == "skipped"
     assert "budget ran out" in steps["after"]["reason"]
 
 

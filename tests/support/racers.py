@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.ray_head import wait_for
+from support.ray_head import HANG_S, wait_for
 
 # Prepended to a racer's script: argv[1] is the barrier directory, argv[2] the racer's index; the
 # script's own arguments follow. ``hold()`` is for the winner, before it releases the lease.
@@ -38,7 +38,7 @@ def race(script: str, args: list[str], n: int, gate: Path, cwd: Path) -> list[st
                               stdout=subprocess.PIPE, text=True) for i in range(n)]
     try:
         wait_for(lambda: len(list(gate.glob("ready-*"))) == n or any(p.poll() is not None for p in procs),
-                 f"{n} racers to start", timeout=120)
+                 f"{n} racers to start")
         (gate / "go").touch()
         lines = [_until_answer(p) for p in procs]            # every racer has answered (the winner holds)
     finally:
@@ -46,7 +46,7 @@ def race(script: str, args: list[str], n: int, gate: Path, cwd: Path) -> list[st
         (gate / "release").touch()
     for p, seen in zip(procs, lines):
         seen += p.stdout.read().splitlines()                  # through the same buffered reader
-        p.wait(timeout=120)
+        p.wait(timeout=HANG_S)
     return sorted(seen[-1] if seen else "" for seen in lines)
 
 

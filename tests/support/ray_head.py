@@ -24,6 +24,13 @@ import pyarrow.parquet as pq
 
 from support.paths import REPO, VENV_BIN
 
+# The bound of every wait in the end-to-end tests: a hang guard, never a speed check. Beside two
+# CPU-burning processes on this 2-core machine a single small job once took 6-7 minutes (2026-12-07)
+# and a bound of a few minutes failed a test that was merely slow; a job that has not ended in
+# HANG_S is stuck. Ordering between processes is by barriers (fault injection's ``hold_after``,
+# the lease), never by these bounds.
+HANG_S = 1800
+
 # Start both actors before dispatch, so the work visibly spreads over them.
 WAIT_FOR_BOTH_ACTORS = {"RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": "120"}
 
@@ -102,7 +109,7 @@ def start_head() -> Iterator[dict[str, str]]:
     proc = subprocess.Popen(cmd, env=base_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + HANG_S
         while True:
             try:
                 urllib.request.urlopen(f"{url}/api/version", timeout=2).read()
@@ -119,7 +126,7 @@ def start_head() -> Iterator[dict[str, str]]:
 
 
 def submit(head: dict, config: Path, *args: str, env_vars: dict[str, str] | None = None, wait: bool = True,
-           sid: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+           sid: str | None = None, timeout: int = HANG_S) -> subprocess.CompletedProcess:
     """``ray job submit`` of ``python -m jobs.generate --config CONFIG ARGS`` with the repo as working
     dir; ``env_vars`` join the job's runtime environment (the driver's and every worker's)."""
     runtime_env = {"env_vars": {"RAY_AUTH_MODE": "disabled", **(env_vars or {})}}
@@ -141,7 +148,7 @@ def row_keys(files) -> list[tuple[str, int]]:
             for r in pq.read_table(f, columns=["id", "sample_index"]).to_pylist()]
 
 
-def wait_for(predicate: Callable[[], object], what: str, timeout: float = 180):
+def wait_for(predicate: Callable[[], object], what: str, timeout: float = HANG_S):
     """Poll ``predicate`` until it returns something true (returned), or fail naming ``what``."""
     deadline = time.time() + timeout
     while not (value := predicate()):
