@@ -21,8 +21,8 @@ from orthrus.engine.step import SamplingPaths
 from orthrus.model.backends import BlockBatch
 from orthrus.model.cache import PagedKVCache
 from orthrus.ranges import named_range
-from orthrus.sampling import (accept, apply_penalties, forbid_early_stops, force_reasoning_end, greedy_accept, process,
-                              sample)
+from orthrus.sampling import (Penalties, accept, apply_penalties, forbid_early_stops, force_reasoning_end,
+                              greedy_accept, process, sample)
 
 RUNNING, STOP, LENGTH = int(FinishReason.RUNNING), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
@@ -55,12 +55,12 @@ def stop_cut(emitted: torch.Tensor, n_acc: torch.Tensor, st: SlotState, slots: t
 
 
 def _target(logits: torch.Tensor, st: SlotState, slots: torch.Tensor, paths: SamplingPaths,
-            produced: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+            produced: torch.Tensor, pen: Penalties | None, drafts: torch.Tensor | None = None) -> torch.Tensor:
     """The AR logits ``[b, T, V]`` the target distribution comes from: logit biases and penalties
-    (with each position's token counts), stop ids forbidden where a row has generated fewer than its
-    ``min_tokens``, and a spent thinking budget's tokens forced (each only when some row may,
-    host-known). ``drafts [b, T-1]``: the verify inputs after the anchor."""
-    pen = st.penalties(slots, paths)
+    (``pen``, the rows' ``SlotState.penalties``, gathered once per iteration; with each position's
+    token counts), stop ids forbidden where a row has generated fewer than its ``min_tokens``, and a
+    spent thinking budget's tokens forced (each only when some row may, host-known).
+    ``drafts [b, T-1]``: the verify inputs after the anchor."""
     if pen is not None:
         logits = apply_penalties(logits, pen, drafts)
     if paths.min_tokens:
@@ -105,7 +105,8 @@ def sample_first(dev: DeviceParts, slots: torch.Tensor, row_lens: torch.Tensor, 
     cache, st = dev.cache, dev.state
     logits = dev.model.logits(st.prompt_hidden[slots])[:, None]               # [d, 1, V]
     masked = logits if masks is None else constrain(logits, masks[:, None])
-    probs = process(_target(masked, st, slots, paths, torch.zeros_like(row_lens)), st.sampling(slots, paths))
+    probs = process(_target(masked, st, slots, paths, torch.zeros_like(row_lens), st.penalties(slots, paths)),
+                    st.sampling(slots, paths))
     u_first = rng.uniforms(st.seed[slots], torch.zeros_like(row_lens), rng.STREAM_FIRST, 1)
     first = sample(probs, u_first)[:, 0]                                     # [d]
     if lp_width is not None:
@@ -199,7 +200,8 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
             masks.start(drafts)
         p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)
         target = p_logits if masks is None else constrain(p_logits, masks.along())
-        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), q_logits, width)
+        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], pen, drafts), q_logits,
+                                width)
     else:
         q = process(q_logits, sp)
         drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
@@ -207,7 +209,7 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
             masks.start(drafts)
         p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)   # [b, K, V]
         target = p_logits if masks is None else constrain(p_logits, masks.along())
-        p = process(_target(target, st, slots, plan.paths, st.out_count[slots], drafts), sp)
+        p = process(_target(target, st, slots, plan.paths, st.out_count[slots], pen, drafts), sp)
         verdict = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
                          rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0], width)
     drafts, n_acc, nxt = verdict.drafts, verdict.n_acc, verdict.next_token
@@ -250,7 +252,7 @@ def ar_step(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor,
     hidden = ar_forward(model, cache, dev.backend, st.prompt_hidden, st.anchor[slots][:, None], view, chunk)
     logits = model.logits(hidden)                                            # [b, 1, V]
     masked = logits if masks is None else constrain(logits, masks.first[:, None])
-    masked = _target(masked, st, slots, plan.paths, st.out_count[slots])
+    masked = _target(masked, st, slots, plan.paths, st.out_count[slots], st.penalties(slots, plan.paths))
     if plan.paths.all_greedy:
         nxt = masked[:, 0].argmax(-1)
     else:
