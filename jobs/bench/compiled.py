@@ -98,12 +98,12 @@ def eager_ops(model, block: int, b: int) -> dict:
         run()
         with counter:
             run()
-        total = sum(counter.ops.values())
+        total, top = sum(counter.ops.values()), counter.ops.most_common(8)
         counter.ops.clear()
         with compiled.using(pieces), counter:
             run()
     return {"eager_ops": total, "ops_outside_pieces": sum(counter.ops.values()), "piece_calls": dict(calls),
-            "top_eager_ops": dict(collections.Counter(counter.ops).most_common(8))}
+            "top_eager_ops": dict(top), "top_ops_outside_pieces": dict(counter.ops.most_common(8))}
 
 
 def _warm_engine(model, b: int):
