@@ -145,6 +145,14 @@ class EngineKwargs(_Section):
         "auto (a sampled row's draws depend on it, so seeded sampled rows under fixed speculation "
         "verify every draft). False: every draft is verified."))
 
+    compile: bool | None = Field(None, description=(
+        "Run the decode step's layer pieces and step functions through torch.compile (inductor: fused "
+        "kernels, under the CUDA graphs on GPU replicas). Exact: the same tokens as eager. None: on for GPU "
+        "replicas, off on CPU (there the first compile costs minutes of a small machine for a modest gain). "
+        "Compiled kernels are cached on the node's local disk (TORCHINDUCTOR_CACHE_DIR, default "
+        "~/.cache/orthrus/inductor), so a second process on a node starts warm; summary.json's "
+        "engine.compile_seconds sums the time every replica spent compiling."))
+
     @model_validator(mode="before")
     @classmethod
     def _formerly_cuda_graphs(cls, data: Any) -> Any:

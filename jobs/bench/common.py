@@ -26,7 +26,7 @@ RESULTS = "bench-results"
 WORKLOADS = {"speed": "speed", "logprobs": "logprobs", "vocab": "vocab", "prefix": "prefix", "ab": "ab",
              "structured": "structured", "short": "short", "scale": "scale", "storage": "storage",
              "reasoning": "reasoning", "paged": "paged", "prefix_grouping": "prefix_grouping", "flat": "flat",
-             "verify": "verify"}
+             "verify": "verify", "compiled": "compiled"}
 DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only WORKLOAD: the same).
 
     speed       (default) Orthrus vs our AR mode vs transformers generate, per batch size; on CPU
@@ -40,6 +40,7 @@ DESCRIPTION = """Benchmarks: python -m jobs.bench [workload] [options] (--only W
     prefix_grouping  rows ordered by prompt tokens (per window, global) vs shuffled: prefill vs the ideal
     flat        the flat step: prefill positions per prompt token and decoding rows' waits vs a git ref
     verify      a verify budget per cycle: verified ÷ accepted drafts, tokens per cycle and tok/s vs all drafts
+    compiled    engine.compile vs eager: tok/s per B and mode, ops per AR step and cycle, compile cold and warm
 
 Results: bench-results/<workload>.json (--out to write elsewhere); speed also bench-results/speed.png.
 python -m jobs.bench WORKLOAD --help lists that workload's own options.

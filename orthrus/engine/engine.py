@@ -81,6 +81,13 @@ class OrthrusEngine:
     on the block size, so a seeded sampled row in fixed speculation verifies every draft). False:
     every draft, always.
 
+    ``compile``: every forward's decoder layers run their work around attention (norms, projections,
+    rotary, MLP, residuals) as inductor-compiled pieces, shape-generic and shared by every plan and
+    layer (``model/compiled.py``); on CUDA the graphs capture the compiled kernels. Exact: the same
+    tokens as eager. None = on for CUDA. The time steps spent compiling is ``stats.compile_ms``;
+    compiled graphs are cached on local disk (``TORCHINDUCTOR_CACHE_DIR``, default
+    ``~/.cache/orthrus/inductor``).
+
     Not thread-safe: one thread owns an engine (the pipeline's actor steps it in its own thread).
     """
 
@@ -109,6 +116,7 @@ class OrthrusEngine:
         self.device = self.runner.cache.lengths.device
         self.attention = self.runner.backend.name      # "sdpa" | "flash": the kernel "auto" resolved to
         self.static_shapes = self.runner.static_shapes
+        self.compile = self.runner.layer_fns is not None
         self.speculative = s.speculative
         # Grammar matchers of constrained rows (host); structured output needs the tokenizer's bytes.
         grammars = SlotGrammars(tokenizer, self.vocab_size, self.eos_token_ids, s.max_batch_size,

@@ -110,6 +110,9 @@ class EngineStats:
     # Drafts the cycles verified, and of those accepted (the verify forward's waste is the rest).
     verified_draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Milliseconds the compiled path spent compiling static plans (or loading them from the disk
+    # cache: a warm start counts its loads), ``OrthrusEngine(compile=True)``.
+    compile_ms: int = 0
 
     def __sub__(self, earlier: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))

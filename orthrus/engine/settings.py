@@ -38,6 +38,7 @@ class EngineSettings:
     kv_cache_tokens: int | None = None
     max_num_batched_tokens: int | None = None
     adaptive_verify: bool = True
+    compile: bool | None = None          # inductor-compiled layer pieces and step functions; None = on for CUDA
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -47,11 +48,15 @@ class EngineSettings:
     def resolved(self, block_size: int, max_position_embeddings: int, device_type: str) -> EngineSettings:
         """These settings with the model's ``block_size`` and context limit and the device's token
         budget filled in where None, every value checked (``ValueError`` naming the field)."""
+        self.check()                    # before ``compile`` becomes a bool
         out = replace(self, block_size=int(self.block_size if self.block_size is not None else block_size),
                       max_seq_len=int(self.max_seq_len if self.max_seq_len is not None
                                       else min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)),
                       max_num_batched_tokens=self.max_num_batched_tokens if self.max_num_batched_tokens is not None
-                      else DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"]))
+                      else DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"]),
+                      # On a GPU compiled kernels replace thousands of small launches; on a CPU the
+                      # first compile costs minutes of a small machine for a modest gain (performance.md).
+                      compile=bool(self.compile if self.compile is not None else device_type == "cuda"))
         out.check()
         return out
 
@@ -66,6 +71,8 @@ class EngineSettings:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if isinstance(self.attention, str) and self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
         if self.max_num_batched_tokens is not None and not _int(self.max_num_batched_tokens, 1):
             raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {self.max_num_batched_tokens!r}")
 

@@ -23,6 +23,12 @@ AR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 DIFF_SUFFIX = "_diff"
 
 
+def merge_heads(attn: torch.Tensor) -> torch.Tensor:
+    """Attention's output ``[b, H, T, D]`` as ``[b, T, H*D]`` (the output projection's input)."""
+    b, _, t, _ = attn.shape
+    return attn.transpose(1, 2).reshape(b, t, -1)
+
+
 class OrthrusAttention(nn.Module):
     """Qwen3 attention with a second, identically shaped set of weights for the diffusion view."""
 
@@ -60,8 +66,11 @@ class OrthrusAttention(nn.Module):
 
     def output(self, attn: torch.Tensor, diffusion: bool) -> torch.Tensor:
         """``[b, H, T, D]`` → ``[b, T, E]`` through the view's output projection."""
-        b, _, t, _ = attn.shape
-        return self._part("o_proj", diffusion)(attn.transpose(1, 2).reshape(b, t, -1))
+        return self.project_out(merge_heads(attn), diffusion)
+
+    def project_out(self, merged: torch.Tensor, diffusion: bool) -> torch.Tensor:
+        """The view's output projection of ``merged [b, T, H*D]`` → ``[b, T, E]``."""
+        return self._part("o_proj", diffusion)(merged)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 diffusion: bool) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from orthrus.model import checkpoint
-from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention
+from orthrus.model import checkpoint, compiled
+from orthrus.model.attention import AR_NAMES, DIFF_SUFFIX, OrthrusAttention, merge_heads
 from orthrus.model.backends import Attend, AttentionBackend, BlockBatch, DenseSDPA
 from orthrus.model.cache import PagedKVCache
 from orthrus.model.layers import MLP, RMSNorm, init_weights, rotary_embedding, skipped_init
@@ -35,8 +35,23 @@ class OrthrusDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 diffusion: bool) -> torch.Tensor:
-        """``h [b, T, E]`` → ``[b, T, E]``: attention (one view, through ``attend``), then the shared MLP."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend, diffusion)
+        """``h [b, T, E]`` → ``[b, T, E]``: attention (one view, through ``attend``), then the shared MLP;
+        the work around attention compiled where the caller runs with compiled pieces (``compiled.py``)."""
+        fns = compiled.active()
+        if fns is not None:
+            return compiled.layer_forward(fns, self, h, cos, sin, attend, diffusion)
+        q, k, v = self.attention_inputs(h, cos, sin, diffusion)
+        attn = attend(self.self_attn.layer_idx, q, k, v, self.self_attn.scale)
+        return self.finish(h, merge_heads(attn), diffusion)
+
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, diffusion: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's work before attention: input RMSNorm, one view's q/k/v, their norms and RoPE."""
+        return self.self_attn.project(self.input_layernorm(h), cos, sin, diffusion)
+
+    def finish(self, h: torch.Tensor, merged: torch.Tensor, diffusion: bool) -> torch.Tensor:
+        """The layer's work after attention (``merged [b, T, H*D]``): output projection, residual, MLP."""
+        h = h + self.self_attn.project_out(merged, diffusion)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

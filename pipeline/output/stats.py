@@ -33,7 +33,7 @@ PREFILL_FROM = {"computed_tokens": "prefill_tokens", "prefix_cache_hit_tokens": 
                 "iterations": "iterations", "busy_slot_iterations": "busy_slot_iterations",
                 "page_iterations": "page_iterations", "preemptions": "preemptions",
                 "recomputed_tokens": "recomputed_tokens", "forward_token_slots": "forward_token_slots",
-                "prefill_token_slots": "prefill_token_slots"}
+                "prefill_token_slots": "prefill_token_slots", "compile_ms": "compile_ms"}
 KV_MAX_FROM = {"kv_page_size": "page_size", "kv_pages": "total", "kv_pages_peak": "peak"}
 PREFILL_FIELDS = tuple(PREFILL_FROM)
 

@@ -43,7 +43,7 @@ class OrthrusProcessorConfig(GroupingFields):
     detokenize: bool = Field(True, description="False: 'generated_text' stays null (ids only).")
     engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs, description=(
         "OrthrusEngine keyword arguments (max_batch_size, block_size, speculative, max_seq_len, attention, "
-        "static_shapes, prefix_cache, kv_cache_tokens, max_num_batched_tokens, adaptive_verify) and dtype."))
+        "static_shapes, prefix_cache, kv_cache_tokens, max_num_batched_tokens, adaptive_verify, compile) and dtype."))
     row_timeout_s: float | None = Field(None, gt=0.0, allow_inf_nan=False, description=(
         "A row holding its engine slot longer than this is aborted and becomes an error row."))
     audit: AuditConfig = Field(default_factory=AuditConfig, description="Lossless audit against plain AR.")

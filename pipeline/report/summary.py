@@ -55,6 +55,13 @@ def _prefill(prefill: dict | None) -> dict:
             "forward_token_slots": prefill.get("forward_token_slots")}
 
 
+def _compile_seconds(engine: dict | None) -> float | None:
+    """Seconds the engines spent compiling (None: unknown, parts written before it was counted)."""
+    if engine is None or engine.get("compile_ms") is None:
+        return None
+    return round(engine["compile_ms"] / 1000, 3)
+
+
 def _kv_cache(engine: dict | None) -> dict:
     """``summary.json["kv_cache"]``: the engines' page pool (None: unknown, e.g. parts written before paging)."""
     keys = ("page_size", "pages", "pages_in_use_mean", "pages_in_use_peak", "rows_in_flight_mean", "preemptions",
@@ -94,6 +101,9 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
         "prefill": _prefill(total.get("prefill")),
         # the paged KV cache per engine: pages held (mean over iterations, peak), rows in flight, preemptions
         "kv_cache": _kv_cache(total.get("prefill")),
+        # time the engines spent compiling their static plans (engine.compile), summed over the
+        # batches committed in data/ (every replica compiles its own; a warm disk cache loads instead)
+        "engine": {"compile_seconds": _compile_seconds(total.get("prefill"))},
         "speculation": {
             # rows whose only token came from their prefill (max_new_tokens 1, or EOS at once): no cycle
             "rows_ended_at_prefill": ok - spec["spec_rows"],

@@ -123,10 +123,13 @@ def test_engine_settings_keep_one_name_from_the_yaml_to_the_engine():
 
     assert set(EngineSettings.names()) - {"key_bucket"} <= set(EngineKwargs.model_fields)
     e = EngineKwargs(max_batch_size=3, block_size=4, static_shapes=False, max_num_batched_tokens=64,
-                     adaptive_verify=False, speculative="auto")
+                     adaptive_verify=False, speculative="auto", compile=True)
     s = e.engine_settings(max_batch_size=5)
     assert (s.max_batch_size, s.block_size, s.static_shapes, s.max_num_batched_tokens, s.adaptive_verify,
-            s.speculative) == (5, 4, False, 64, False, "auto")
+            s.speculative, s.compile) == (5, 4, False, 64, False, "auto", True)
+    # engine.compile unset: the device decides (on for CUDA, off on a CPU)
+    assert EngineKwargs().engine_settings().compile is None
+    assert [EngineSettings().resolved(4, 128, d).compile for d in ("cpu", "cuda")] == [False, True]
     # the former name still reads: true = the default (on for GPU), false = eager
     assert EngineKwargs(cuda_graphs=False).static_shapes is False and EngineKwargs(cuda_graphs=True).static_shapes is None
     with pytest.raises(ValueError, match="former name of static_shapes"):
@@ -138,7 +141,7 @@ def test_engine_settings_are_checked_naming_the_field():
 
     for bad, field in (({"max_batch_size": 0}, "max_batch_size"), ({"block_size": 1}, "block_size"),
                        ({"speculative": "yes"}, "speculative"), ({"attention": "xformers"}, "attention"),
-                       ({"max_num_batched_tokens": 0}, "max_num_batched_tokens")):
+                       ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"compile": "yes"}, "compile")):
         with pytest.raises(ValueError, match=field):
             EngineSettings(**bad).resolved(4, 128, "cpu")
     assert EngineSettings().resolved(4, 128, "cpu").max_seq_len == 128

@@ -320,3 +320,23 @@ def test_cost_per_billion_output_tokens_and_rows_ended_at_prefill_in_summary_and
     assert "then 12.5 tok/s = 12.5 rows/s; no decode iterations (every row ended at its prefill)" in text
     assert "tokens/cycle   none: all 10 rows ended at their prefill, before any cycle" in text
     assert "n/a" not in text and "drafts " not in text
+
+
+def test_compile_time_travels_from_the_batch_records_to_the_summary():
+    """``EngineStats.compile_ms`` in each batch record's ``since`` is summed into the footer's engine
+    aggregate and reported as ``summary.json`` ``engine.compile_seconds`` (None for older parts)."""
+    import pyarrow as pa
+    from dataclasses import asdict
+
+    from orthrus import EngineStats
+    from pipeline import schema as S
+    from pipeline.actor.records import STATS
+    from pipeline.output.stats import prefill_of_block
+    from pipeline.report import summary
+
+    since = [asdict(EngineStats(iterations=3, compile_ms=ms)) for ms in (1200, 300)]
+    block = pa.table({S.BATCH: pa.array([{"since": s} for s in since], pa.struct([pa.field("since", STATS)]))})
+    engine = prefill_of_block(block)
+    assert engine["compile_ms"] == 1500 and engine["iterations"] == 6
+    assert summary._compile_seconds(engine) == 1.5
+    assert summary._compile_seconds(None) is None and summary._compile_seconds({"iterations": 1}) is None

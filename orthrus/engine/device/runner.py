@@ -10,7 +10,7 @@ work can be left out of the key.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from orthrus.engine.settings import EngineSettings
 from orthrus.engine.step import AR, Admission, Iteration, PrefillWork, ScheduledStep, StepOutput
 from orthrus.model.backends import AttentionBackend, choose_backend
 from orthrus.engine.device.kv_sizing import check_pool, pool_tokens
+from orthrus.model import compiled
 from orthrus.model.cache import PagedKVCache
 from orthrus.model.qwen3 import OrthrusForCausalLM
 
@@ -48,8 +49,11 @@ class PlacedIteration:
 class ModelRunner:
     """The device side of one engine: model, cache, backend, proposer, slot state and graphs."""
 
-    def __init__(self, parts: DeviceParts, static_shapes: bool) -> None:
+    def __init__(self, parts: DeviceParts, static_shapes: bool, compile: bool = False) -> None:
         self.parts, self.static_shapes = parts, static_shapes
+        # compile: every forward's layers run inductor's pieces (model/compiled.py; a CUDA graph
+        # captures their kernels)
+        self.layer_fns = compiled.layer_fns(parts.model.lm_head.weight.dtype) if compile else None
         self.cache, self.backend, self.state = parts.cache, parts.backend, parts.state
         self.num_slots = parts.cache.num_slots
         device = parts.cache.lengths.device
@@ -95,9 +99,21 @@ class ModelRunner:
         static = device.type == "cuda" if static_shapes is None else bool(static_shapes)
         state = SlotState(num_slots, stop_width, device, cfg.hidden_size, param.dtype, forced_thinking)
         parts = DeviceParts(model, cache, attention, proposer or DiffusionProposer(model), state, max_seq_len)
-        return cls(parts, static)
+        return cls(parts, static, settings.compile)
 
     def execute(self, step: ScheduledStep) -> StepOutput:
+        """Run one step (:meth:`_execute`), with the compiled layer pieces if the engine compiles; a
+        step in which dynamo compiled graphs reports its wall time as ``compile_ms``."""
+        if self.layer_fns is None:
+            return self._execute(step)
+        graphs, started = compiled.graphs_compiled(), time.perf_counter()
+        with compiled.using(self.layer_fns):
+            out = self._execute(step)
+        if compiled.graphs_compiled() == graphs:
+            return out
+        return replace(out, compile_ms=int((time.perf_counter() - started) * 1000))
+
+    def _execute(self, step: ScheduledStep) -> StepOutput:
         """Run one step: mark ``step.kill`` dead, seat the admission, run the iteration with the
         step's prompt chunks in its AR forward (or the chunks alone), sample the completed prompts'
         first tokens, pack the settled rows, and read the iteration's rows and the settled ones back

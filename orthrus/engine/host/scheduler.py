@@ -311,8 +311,9 @@ class Scheduler:
             self.grammars.advance(rows, self.table.generated)
         if it is not None and (it.arm is not None or it.verify_eighths is not None):
             # a step whose forward also computed prompt chunks times more than the arm: acceptance only
+            # (and a step that compiled its plan times the compiler)
             chunked = step.prefill is not None and bool(step.prefill.groups)
-            seconds = None if chunked else time.perf_counter() - out.started
+            seconds = None if chunked or out.compile_ms else time.perf_counter() - out.started
             self.speculation.observe(it, seconds, rec)
         ended = dict(zip(rec.finished.tolist(), rec.reasons.tolist()))  # SYNC: none (host numpy)
         hits = self._scan_stops(rows)
@@ -330,13 +331,14 @@ class Scheduler:
         it, slots = step.iteration, out.prefill_slots + out.iteration_slots
         if it is None:
             return EngineStats(forward_token_slots=slots, prefill_token_slots=out.prefill_slots,
-                               read_steps=int(out.packed is not None))
+                               read_steps=int(out.packed is not None), compile_ms=out.compile_ms)
         worked = len(it.slots)
         if step.prefill is not None and step.prefill.groups:
             worked = len(set(it.slots.tolist()) | {c.slot for g in step.prefill.groups for c in g})
         return EngineStats(iterations=1, busy_slot_iterations=worked, page_iterations=self.pool.in_use,
                            forward_token_slots=slots, prefill_token_slots=out.prefill_slots, read_steps=1,
-                           verified_draft_tokens=rec.verified, accepted_draft_tokens=rec.tokens - rec.live)
+                           verified_draft_tokens=rec.verified, accepted_draft_tokens=rec.tokens - rec.live,
+                           compile_ms=out.compile_ms)
 
     def _scan_stops(self, slots: np.ndarray) -> dict[int, StopHit]:
         """Stop strings found this iteration, by slot (only rows that have stop strings are decoded)."""
