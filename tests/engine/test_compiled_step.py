@@ -94,3 +94,21 @@ def test_compile_setting_resolves_per_device(model64, tmp_path, monkeypatch):
     monkeypatch.setenv(compiled.CACHE_ENV, "")       # unset (restored after the test)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert compiled.use_local_cache() == str(tmp_path / "orthrus" / "inductor")
+
+
+def test_the_gpu_checks_compiled_steps_run_here():
+    """``jobs.gpu_check``'s compiled steps, whose code its CPU smoke run skips (a cold compile): the
+    exactness step reports every case equal, and the cost grid measures a compiled AR step and cycle."""
+    from jobs import gpu_costs, gpu_exactness
+    from orthrus import OrthrusForCausalLM
+    from support.paths import REPO
+
+    model_dir, shards = str(REPO / "models" / "tiny-orthrus-py"), str(REPO / "examples" / "shards")
+    prompts = gpu_exactness.load_prompts(model_dir, shards, 3)
+    report = gpu_exactness.fp32_compiled_vs_eager(model_dir, prompts, "cpu", 6)
+    for key in ("fp32_greedy_compiled_vs_eager", "fp32_greedy_ar_compiled_vs_eager", "fp32_sampled_compiled_vs_eager",
+                "fp32_greedy_compiled_speculative_vs_ar"):
+        assert report[key] == {"rows_equal": 1.0, "first_divergence_at_token": None}, (key, report)
+    model = OrthrusForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cell = gpu_costs.step_costs(model, prompts, (2,), (4,), "compiled", 1)["B=2"]
+    assert cell["ar_ms"] > 0 and cell["ar_tokens_per_s"] > 0 and cell["K=4"]["R"] > 0
