@@ -146,8 +146,9 @@ class EngineKwargs(_Section):
         "verify every draft). False: every draft is verified."))
 
     compile: bool | None = Field(None, description=(
-        "Run the decode step's layer pieces and step functions through torch.compile (inductor: fused "
-        "kernels, under the CUDA graphs on GPU replicas). Exact: the same tokens as eager. None: on for GPU "
+        "Run each decoder layer's work around attention (norms, projections, rotary, MLP, residuals) "
+        "through torch.compile (inductor: fused kernels, under the CUDA graphs on GPU replicas); attention, "
+        "sampling and acceptance stay eager. Exact: the same tokens as eager. None: on for GPU "
         "replicas, off on CPU (there the first compile costs minutes of a small machine for a modest gain). "
         "Compiled kernels are cached on the node's local disk (TORCHINDUCTOR_CACHE_DIR, default "
         "~/.cache/orthrus/inductor), so a second process on a node starts warm; summary.json's "

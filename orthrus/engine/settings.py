@@ -38,7 +38,7 @@ class EngineSettings:
     kv_cache_tokens: int | None = None
     max_num_batched_tokens: int | None = None
     adaptive_verify: bool = True
-    compile: bool | None = None          # inductor-compiled layer pieces and step functions; None = on for CUDA
+    compile: bool | None = None          # inductor-compiled layer pieces (model/compiled.py); None = on for CUDA
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
