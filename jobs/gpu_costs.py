@@ -24,16 +24,12 @@ from pathlib import Path
 
 import torch
 
+from jobs.bench.common import sync_of
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 
 MODES = {"eager": {"static_shapes": False}, "graphs": {"static_shapes": True},
          "compiled": {"static_shapes": True, "compile": True}}
 PROMPT_TOKENS = 48        # each row's prompt: short, so the context stays near this at every B
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def steady_engine(model: OrthrusForCausalLM, prompts: list[list[int]], b: int, block: int | None, mode: str,
@@ -57,12 +53,12 @@ def steady_engine(model: OrthrusForCausalLM, prompts: list[list[int]], b: int, b
 def time_steps(engine: OrthrusEngine, steps: int) -> float:
     """Median seconds of ``steps`` steady steps, each timed with device syncs around it (asserting
     that no prefill ran in them: a row that finished early would make it a different workload)."""
-    before, times = engine.stats, []
+    before, times, sync = engine.stats, [], sync_of(engine)
     for _ in range(steps):
-        _sync(engine.device)
+        sync()
         t0 = time.perf_counter()
         engine.step()
-        _sync(engine.device)
+        sync()
         times.append(time.perf_counter() - t0)
     delta = engine.stats - before
     assert delta.prefill_tokens == 0 and delta.iterations == steps, "a timed step was not a steady decode step"
@@ -107,13 +103,14 @@ def profile_ar_step(model: OrthrusForCausalLM, prompts: list[list[int]], b: int,
     report: dict = {"weight_read_floor_ms": weight_read_floor_ms(model, device)}
     for mode in ("eager", "graphs"):
         engine = steady_engine(model, prompts, b, None, mode)
+        sync = sync_of(engine)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        _sync(device)
+        sync()
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            _sync(device)
+            sync()
             wall = time.perf_counter() - t0
         events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda]
         kernels = [e for e in events if cuda or e.name.startswith("aten::")]
