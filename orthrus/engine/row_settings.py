@@ -114,11 +114,13 @@ def asks(params: SlotParams, name: str) -> np.ndarray:
 
 class HostSettings:
     """The host's mirror of the settings of every slot, ``[B]`` per setting (a ragged one: whether
-    the row has any entry), from which each forward's sampling paths are read."""
+    the row has any entry), and of whether each row asks for each setting with a sampling path
+    (:func:`asks`, the one rule), from which each forward's sampling paths are read."""
 
     def __init__(self, num_slots: int) -> None:
         self.values = {s.name: np.full(num_slots, False if s.ragged else s.default, dtype=bool if s.ragged else s.dtype)
                        for s in SETTINGS}
+        self.asking = {s.name: np.zeros(num_slots, dtype=bool) for s in SETTINGS if s.path is not None}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
@@ -127,12 +129,12 @@ class HostSettings:
         """Seat ``params``' rows in ``slots``."""
         for s in SETTINGS:
             self.values[s.name][slots] = asks(params, s.name) if s.ragged else params[s.name]
+        for name, mirror in self.asking.items():
+            mirror[slots] = asks(params, name)
 
     def paths(self, slots: np.ndarray) -> dict[str, bool]:
-        """Each path flag of the table: whether some row of ``slots`` turns it on."""
-        on: dict[str, bool] = {}
-        for s in SETTINGS:
-            if s.path is not None and not on.get(s.path):
-                v = self.values[s.name][slots]
-                on[s.path] = bool((v if s.ragged else v != s.default).any())
+        """Each path flag of the table: whether some row of ``slots`` asks for a setting on it."""
+        on = dict.fromkeys((BY_NAME[name].path for name in self.asking), False)
+        for name, mirror in self.asking.items():
+            on[BY_NAME[name].path] |= bool(mirror[slots].any())
         return on

@@ -80,10 +80,6 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
     (``output/stats.py``): the summary never reads a row."""
     sums, spec = total["sums"], total["speculation"]
     ok = total["rows"] - total["error"]
-    hist = total["histogram"]
-    rate, cond = acceptance_by_position(hist)
-    drafts, accepted = sums["num_draft_tokens"], sums["num_accepted_draft_tokens"]
-    pooled = tokens_per_cycle(accepted, sums["num_cycles"]) if spec["spec_rows"] else None
     return {
         "rows": {"total": total["rows"], "ok": ok, "error": total["error"],
                  "finish_reason": total["finish_reason"], "duplicate_keys": duplicates},
@@ -104,29 +100,37 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
         # time the engines spent compiling their static plans (engine.compile), summed over the
         # batches committed in data/ (every replica compiles its own; a warm disk cache loads instead)
         "engine": {"compile_seconds": _compile_seconds(total.get("prefill"))},
-        "speculation": {
-            # rows whose only token came from their prefill (max_new_tokens 1, or EOS at once): no cycle
-            "rows_ended_at_prefill": ok - spec["spec_rows"],
-            "cycles": sums["num_cycles"], "forward_passes": sums["num_forward_passes"],
-            "draft_tokens": drafts, "accepted_draft_tokens": accepted,
-            # drafts the verifier computed (a cycle's verify budget skips the ones unlikely to pass)
-            # and how many it computed per accepted one: the verify pass's waste
-            "verified_draft_tokens": sums.get("num_verified_draft_tokens", 0),
-            "verified_per_accepted": sums.get("num_verified_draft_tokens", 0) / accepted if accepted else None,
-            "draft_acceptance_rate": accepted / drafts if drafts else None,
-            "tokens_per_cycle": {
-                "mean_per_row": spec["tpc_sum"] / spec["spec_rows"] if spec["spec_rows"] else None,
-                "token_weighted": spec["tpc_weighted_sum"] / spec["tpc_weight"] if spec["tpc_weight"] else None,
-                "pooled": pooled, "tpf_pooled": pooled / 2 if pooled is not None else None,
-                **_by_phase(sums)},
-            "accept_length_histogram": hist,
-            "acceptance_rate_by_position": rate,
-            "conditional_acceptance_by_position": cond,
-        },
+        "speculation": _speculation(sums, spec, ok, total["histogram"]),
         # per row: seconds waiting for an engine slot, and from admission to the row's end
         "row_seconds": {name: St.quantiles(total["times"].get(name)) for name in St.TIME_COLUMNS},
         "error_examples": total["error_examples"],
         "audit": _audit(total["audit"], audit_fraction),
+    }
+
+
+def _speculation(sums: dict, spec: dict, ok: int, hist: list) -> dict:
+    """``summary.json["speculation"]``: cycles, drafts and what was accepted of them, tokens per cycle."""
+    rate, cond = acceptance_by_position(hist)
+    drafts, accepted = sums["num_draft_tokens"], sums["num_accepted_draft_tokens"]
+    pooled = tokens_per_cycle(accepted, sums["num_cycles"]) if spec["spec_rows"] else None
+    return {
+        # rows whose only token came from their prefill (max_new_tokens 1, or EOS at once): no cycle
+        "rows_ended_at_prefill": ok - spec["spec_rows"],
+        "cycles": sums["num_cycles"], "forward_passes": sums["num_forward_passes"],
+        "draft_tokens": drafts, "accepted_draft_tokens": accepted,
+        # drafts the verifier computed (a cycle's verify budget skips the ones unlikely to pass)
+        # and how many it computed per accepted one: the verify pass's waste
+        "verified_draft_tokens": sums.get("num_verified_draft_tokens", 0),
+        "verified_per_accepted": sums.get("num_verified_draft_tokens", 0) / accepted if accepted else None,
+        "draft_acceptance_rate": accepted / drafts if drafts else None,
+        "tokens_per_cycle": {
+            "mean_per_row": spec["tpc_sum"] / spec["spec_rows"] if spec["spec_rows"] else None,
+            "token_weighted": spec["tpc_weighted_sum"] / spec["tpc_weight"] if spec["tpc_weight"] else None,
+            "pooled": pooled, "tpf_pooled": pooled / 2 if pooled is not None else None,
+            **_by_phase(sums)},
+        "accept_length_histogram": hist,
+        "acceptance_rate_by_position": rate,
+        "conditional_acceptance_by_position": cond,
     }
 
 

@@ -18,7 +18,8 @@ import yaml
 
 from support.constraints import EXPLODES
 from support.paths import REPO
-from support.ray_head import HANG_S, base_env
+from support.hang import HANG_S
+from support.ray_head import base_env
 
 
 GOOD = [

@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from support.paths import REPO
-from support.ray_head import HANG_S, base_env, killpg, wait_for
+from support.hang import HANG_S
+from support.ray_head import base_env, killpg, wait_for
 
 N, BATCH = 300, 15          # 20 batches: the kill lands between commits with most of them unfinished
 BAD_LINES = {17: "{not json", 200: '["an array"]'}                # malformed: error rows naming the line

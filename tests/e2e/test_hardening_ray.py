@@ -17,7 +17,8 @@ import yaml
 from support.hostile import hostile_rows
 from support.job_inputs import tree_snapshot
 from support.paths import REPO
-from support.ray_head import HANG_S, base_env, row_keys, wait_for
+from support.hang import HANG_S
+from support.ray_head import base_env, row_keys, wait_for
 
 
 

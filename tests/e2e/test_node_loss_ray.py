@@ -40,7 +40,8 @@ import pytest
 import yaml
 
 from support.paths import REPO
-from support.ray_head import HANG_S, killpg
+from support.hang import HANG_S
+from support.ray_head import killpg
 
 
 VENV_BIN = Path(sys.executable).parent

@@ -27,7 +27,8 @@ import yaml
 from pipeline.actor.audit import is_audited
 from support.job_inputs import write_parquet
 from support.paths import REPO, VENV_BIN
-from support.ray_head import HANG_S, base_env, part_digests, row_keys
+from support.hang import HANG_S
+from support.ray_head import base_env, part_digests, row_keys
 
 BUNDLED = REPO / "models" / "tiny-orthrus-py"
 SAMPLE = re.compile(r'^(ray_orthrus_\w+)\{(.*)\} (\S+)$')

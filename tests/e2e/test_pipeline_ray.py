@@ -24,7 +24,8 @@ from pipeline.report.startup import CHAIN, INPUT_SIDE
 from pipeline.schema import output_schema
 from support.job_inputs import MSG_TYPE, write_parquet
 from support.paths import REPO
-from support.ray_head import HANG_S, WAIT_FOR_BOTH_ACTORS, base_env, part_digests, row_keys, submit, wait_for
+from support.hang import HANG_S
+from support.ray_head import WAIT_FOR_BOTH_ACTORS, base_env, part_digests, row_keys, submit, wait_for
 
 
 

@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 from orthrus import OrthrusEngine, OrthrusForCausalLM, SamplingParams
 from support.paths import REPO
 from support.qwen3_chat import END_THINK, NL2, THINK
-from support.ray_head import HANG_S, base_env
+from support.hang import HANG_S
+from support.ray_head import base_env
 
 MAX_NEW = 12
 PROMPTS = {"free": "Hello, world!", "budget": "Tell me a story.", "zero": "写一首诗"}

@@ -19,7 +19,7 @@ import pytest
 from jobs.local_s3 import iam_user, moto_server, upload
 from support.paths import REPO
 from support.racers import race
-from support.ray_head import HANG_S
+from support.hang import HANG_S
 
 from pipeline.config import BehaviourConfig, ConfigError, InputConfig, ModelConfig, StorageConfig
 from pipeline.storage.lease import LeaseHeld

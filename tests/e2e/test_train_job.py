@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, Qwen3Config
 
 from orthrus import OrthrusForCausalLM
 from support.paths import REPO
-from support.ray_head import HANG_S
+from support.hang import HANG_S
 
 ROOT = REPO
 BUNDLED = ROOT / "models" / "tiny-orthrus-py"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from jobs import gpu_check
+from support.hang import HANG_S
 from support.paths import REPO
 
 MODEL, SHARDS = str(REPO / "models" / "tiny-orthrus-py"), str(REPO / "examples" / "shards")
@@ -68,7 +69,7 @@ def test_gpu_check_imports_and_runs_without_the_job_stack(tmp_path):
     out = tmp_path / "out"
     argv = ["--device", "cpu", "--out", str(out), "--model", MODEL, "--prompts", SHARDS]
     proc = subprocess.run([sys.executable, "-c", BOOT.format(blocked=BLOCKED, argv=argv)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "IMPORTED_BLOCKED []" in proc.stdout and "JOB_STACK_BLOCKED" in proc.stdout
     report = json.loads((out / "gpu-check.json").read_text())

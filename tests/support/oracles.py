@@ -1,7 +1,8 @@
 """What the exactness tests compare against, written out independently of the engine: FlashAttention's
 KV-cache kernel as its docstring specifies it, a chi-square test of sampled sequences against an exact
-distribution, the exact distribution of processed AR sampling by enumeration, and a proposer that
-replays a known continuation (every draft accepted)."""
+distribution (and the whole check of sampled sequences against it), the exact distribution of
+processed AR sampling by enumeration, and a proposer that replays a known continuation (every draft
+accepted)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -56,6 +57,19 @@ def chi2_pvalue(counts: Counter, dist: dict[tuple[int, ...], float], n: int) -> 
         assert rest <= 5 + 5 * (n - sum(expected)), "mass where the exact distribution has ~none"
         expected = [e * sum(observed) / sum(expected) for e in expected]
     return float(chisquare(observed, expected).pvalue)
+
+
+def assert_follows(results: list, exact: dict[tuple[int, ...], float],
+                   null: dict[tuple[int, ...], float] | None = None) -> None:
+    """The sequences sampled in ``results`` (one seeded row each) follow ``exact``: a distribution
+    with real support, no sequence outside it, χ² p > 1e-3. Given ``null`` (the distribution without
+    the rule under test), the same check rejects it (p < 1e-6): it has the power to see the rule."""
+    assert abs(sum(exact.values()) - 1) < 1e-9 and len(exact) > 20
+    n, counts = len(results), Counter(tuple(r.token_ids) for r in results)
+    assert set(counts) <= set(exact), "sampled a sequence the exact distribution gives zero mass"
+    assert chi2_pvalue(counts, exact, n) > 1e-3
+    if null is not None:
+        assert chi2_pvalue(counts, null, n) < 1e-6
 
 
 class OracleProposer:

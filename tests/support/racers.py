@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.ray_head import HANG_S, wait_for
+from support.hang import HANG_S
+from support.ray_head import wait_for
 
 # Prepended to a racer's script: argv[1] is the barrier directory, argv[2] the racer's index; the
 # script's own arguments follow. ``hold()`` is for the winner, before it releases the lease.

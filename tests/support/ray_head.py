@@ -22,14 +22,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from support.hang import HANG_S
 from support.paths import REPO, VENV_BIN
 
-# The bound of every wait in the end-to-end tests: a hang guard, never a speed check. Beside two
-# CPU-burning processes on this 2-core machine a single small job once took 6-7 minutes (2026-12-07)
-# and a bound of a few minutes failed a test that was merely slow; a job that has not ended in
-# HANG_S is stuck. Ordering between processes is by barriers (fault injection's ``hold_after``,
-# the lease), never by these bounds.
-HANG_S = 1800
 
 # Start both actors before dispatch, so the work visibly spreads over them.
 WAIT_FOR_BOTH_ACTORS = {"RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": "120"}

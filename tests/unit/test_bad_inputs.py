@@ -30,6 +30,7 @@ from pipeline.run.commit import CommitLoop, run_loop
 from pipeline.run.job import preflight
 from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.actor.stage import GenerationStage, StagePlan
+from support.hang import HANG_S
 from support.job_inputs import MSG, job_config, raw_strings, write_shard
 
 def corrupt_pages(path: Path) -> None:
@@ -301,13 +302,13 @@ def test_hold_after_is_a_barrier_on_a_file(tmp_path):
     assert (faults.hold_after, faults.hold_file, faults.oom_ids) == (2, str(gate), {"x"})
 
     async def scenario() -> None:
-        await asyncio.wait_for(faults.hold(0), 5)
-        await asyncio.wait_for(faults.hold(1), 5)
+        await asyncio.wait_for(faults.hold(0), HANG_S)
+        await asyncio.wait_for(faults.hold(1), HANG_S)
         held = asyncio.ensure_future(faults.hold(2))
         await asyncio.sleep(0.3)
         assert not held.done()                  # no file: no time makes it pass
         gate.touch()
-        await asyncio.wait_for(held, 30)
+        await asyncio.wait_for(held, HANG_S)
 
     asyncio.run(scenario())
 

@@ -20,6 +20,7 @@ from pipeline.inputs.checks import verify_inputs
 from pipeline.run.job import preflight
 from pipeline.inputs.preprocess import PreprocessPlan, preprocess_batch
 from pipeline.inputs.source import InputFileError, read_file
+from support.hang import HANG_S
 from support.hostile import hostile_rows
 from support.job_inputs import job_config, write_shard
 
@@ -225,7 +226,7 @@ def test_a_lost_lease_stops_commits(tmp_path, monkeypatch):
     out.commit(pa.table({"id": ["a"], "sample_index": [0]}), PartSources(1, ("f",), np.array([[0, 0, 1]])))
     info = json.loads((out.root / "_lease.json").read_text())
     (out.root / "_lease.json").write_text(json.dumps({**info, "token": "someone else"}))   # a mistaken takeover
-    deadline = time.time() + 10
+    deadline = time.time() + HANG_S
     while not out.lease.lost and time.time() < deadline:
         time.sleep(0.02)
     with pytest.raises(OutputWriteError, match="lost the lease on output.path"):
@@ -334,7 +335,7 @@ def test_an_unreadable_lease_is_rewritten_by_its_holder_not_given_up(tmp_path, m
     monkeypatch.setattr(L, "HEARTBEAT_S", 0.05)
     with L.take_lease(tmp_path / "out", "run-1") as lease:
         (tmp_path / "out" / "_lease.json").write_text("{ half a write")
-        deadline = time.time() + 10
+        deadline = time.time() + HANG_S
         while time.time() < deadline:
             time.sleep(0.05)
             try:

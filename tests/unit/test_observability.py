@@ -23,6 +23,7 @@ from pipeline.inputs.source import read_file
 from pipeline.report.progress import Progress
 from pipeline.actor.stage import GenerationStage, StagePlan
 from pipeline.report.summary import render_table
+from support.hang import HANG_S
 from support.job_inputs import job_config, write_shard
 from support.paths import TOKENIZER_DIR
 
@@ -144,7 +145,7 @@ def test_row_timeout_turns_long_rows_into_error_rows_and_frees_their_slots(tmp_p
         assert "row timeout: aborted after" in r["error"] and "behaviour.row_timeout_s=0.001" in r["error"]
     # the short row was admitted only when a long one gave up its slot; it may time out too, no other way
     assert rows["short"]["finish_reason"] == "length" or "row timeout: aborted after" in rows["short"]["error"]
-    untimed = {r["id"]: r for r in asyncio.run(_stage(cfg, row_timeout_s=60)(_batch(tmp_path, cfg))).to_pylist()}
+    untimed = {r["id"]: r for r in asyncio.run(_stage(cfg, row_timeout_s=HANG_S)(_batch(tmp_path, cfg))).to_pylist()}
     assert all(r["finish_reason"] != "error" for r in untimed.values())
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from support.hang import HANG_S
 from support.paths import REPO
 
 
 def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
     probe = f"import sys\n{statement}\nprint(','.join(m for m in {modules!r} if m in sys.modules))"
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [m for m in proc.stdout.strip().split(",") if m]
 

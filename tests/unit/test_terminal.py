@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from pipeline.run.terminal import KNOWN_NOTICES, QuietTerminal
+from support.hang import HANG_S
 from support.paths import REPO
 
 NOTICE = (f"[2026-12-04 15:45:39,505 E 7426 7819] core_worker.cc:2465: Actor with class name: 'X' "
@@ -46,7 +47,7 @@ print(f"moved {t.moved}")
 def test_notices_go_to_the_log_file_errors_and_our_lines_to_the_terminal(tmp_path):
     log = tmp_path / "ray.log"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(log), NOTICE], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err, logged = proc.stderr, log.read_text()
     for line in ("ray python error", "an unknown native line", "the job's own message", "after close",

@@ -194,23 +194,18 @@ def speculative_cycle(dev: DeviceParts, plan: IterationPlan, slots: torch.Tensor
     verify_view = BlockBatch(view_slots, pos, plan.kv_len)
     layout = None if plan.verify is None else _verify_layout(dev, plan, slots, q_logits)
     width = None if layout is None else layout.width                         # [b] drafts verified
-    if plan.paths.all_greedy:
-        drafts = q_logits.argmax(-1)                                                # [b, K-1]
-        if masks is not None:
-            masks.start(drafts)
-        p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)
-        target = p_logits if masks is None else constrain(p_logits, masks.along())
-        verdict = greedy_accept(_target(target, st, slots, plan.paths, st.out_count[slots], pen, drafts), q_logits,
-                                width)
+    # Greedy: the drafter's argmax, no proposal distribution; sampled: drafts from the processed proposal q.
+    q = None if plan.paths.all_greedy else process(q_logits, sp)
+    drafts = q_logits.argmax(-1) if q is None else sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))
+    if masks is not None:                                                        # drafts: [b, K-1]
+        masks.start(drafts)
+    p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)   # [b, K, V]
+    target = _target(p_logits if masks is None else constrain(p_logits, masks.along()), st, slots, plan.paths,
+                     st.out_count[slots], pen, drafts)
+    if q is None:
+        verdict = greedy_accept(target, q_logits, width)
     else:
-        q = process(q_logits, sp)
-        drafts = sample(q, rng.uniforms(seed, counter, rng.STREAM_DRAFT, k - 1))    # [b, K-1]
-        if masks is not None:
-            masks.start(drafts)
-        p_logits = _verify(dev, torch.cat([anchor[:, None], drafts], 1), verify_view, chunk, layout)   # [b, K, V]
-        target = p_logits if masks is None else constrain(p_logits, masks.along())
-        p = process(_target(target, st, slots, plan.paths, st.out_count[slots], pen, drafts), sp)
-        verdict = accept(p, q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
+        verdict = accept(process(target, sp), q, drafts, rng.uniforms(seed, counter, rng.STREAM_ACCEPT, k - 1),
                          rng.uniforms(seed, counter, rng.STREAM_RESIDUAL, 1)[:, 0], width)
     drafts, n_acc, nxt = verdict.drafts, verdict.n_acc, verdict.next_token
     i = torch.arange(k, device=n.device)[None, :]
