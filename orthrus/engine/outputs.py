@@ -110,7 +110,7 @@ class EngineStats:
     # Drafts the cycles verified, and of those accepted (the verify forward's waste is the rest).
     verified_draft_tokens: int = 0
     accepted_draft_tokens: int = 0
-    # Milliseconds the compiled path spent compiling static plans (or loading them from the disk
+    # Milliseconds the compiled path spent compiling its layer pieces (or loading them from the disk
     # cache: a warm start counts its loads), ``OrthrusEngine(compile=True)``.
     compile_ms: int = 0
 

@@ -113,13 +113,12 @@ def asks(params: SlotParams, name: str) -> np.ndarray:
 
 
 class HostSettings:
-    """The host's mirror of the settings of every slot, ``[B]`` per setting (a ragged one: whether
-    the row has any entry), and of whether each row asks for each setting with a sampling path
-    (:func:`asks`, the one rule), from which each forward's sampling paths are read."""
+    """The host's mirror of every slot's settings, ``[B]`` per setting that is not ragged, and
+    ``[B]`` bool per setting with a sampling path: whether the row asks for it (:func:`asks`, the
+    one rule), from which each forward's sampling paths are read."""
 
     def __init__(self, num_slots: int) -> None:
-        self.values = {s.name: np.full(num_slots, False if s.ragged else s.default, dtype=bool if s.ragged else s.dtype)
-                       for s in SETTINGS}
+        self.values = {s.name: np.full(num_slots, s.default, dtype=s.dtype) for s in SETTINGS if not s.ragged}
         self.asking = {s.name: np.zeros(num_slots, dtype=bool) for s in SETTINGS if s.path is not None}
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -127,8 +126,8 @@ class HostSettings:
 
     def admit(self, slots: np.ndarray, params: SlotParams) -> None:
         """Seat ``params``' rows in ``slots``."""
-        for s in SETTINGS:
-            self.values[s.name][slots] = asks(params, s.name) if s.ragged else params[s.name]
+        for name, mirror in self.values.items():
+            mirror[slots] = params[name]
         for name, mirror in self.asking.items():
             mirror[slots] = asks(params, name)
 

@@ -218,4 +218,4 @@ class StepOutput:
     started: float
     prefill_slots: int = 0
     iteration_slots: int = 0
-    compile_ms: int = 0      # milliseconds this step spent compiling a plan (or loading it from disk)
+    compile_ms: int = 0      # milliseconds this step spent compiling layer pieces (or loading them from disk)

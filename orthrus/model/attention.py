@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from orthrus.model.backends import Attend
 from orthrus.model.layers import RMSNorm, apply_rotary_pos_emb
 
 AR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -30,7 +29,10 @@ def merge_heads(attn: torch.Tensor) -> torch.Tensor:
 
 
 class OrthrusAttention(nn.Module):
-    """Qwen3 attention with a second, identically shaped set of weights for the diffusion view."""
+    """Qwen3 attention with a second, identically shaped set of weights for the diffusion view: its
+    projections only (:meth:`project` before attention, :meth:`project_out` after). The decoder layer
+    calls ``attend`` between them (``qwen3.OrthrusDecoderLayer``), so the work on either side can be
+    compiled apart from the attention that writes the cache (``compiled.py``)."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -64,16 +66,6 @@ class OrthrusAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v.transpose(1, 2)
 
-    def output(self, attn: torch.Tensor, diffusion: bool) -> torch.Tensor:
-        """``[b, H, T, D]`` → ``[b, T, E]`` through the view's output projection."""
-        return self.project_out(merge_heads(attn), diffusion)
-
     def project_out(self, merged: torch.Tensor, diffusion: bool) -> torch.Tensor:
         """The view's output projection of ``merged [b, T, H*D]`` → ``[b, T, E]``."""
         return self._part("o_proj", diffusion)(merged)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                diffusion: bool) -> torch.Tensor:
-        """``x [b, T, E]`` → ``[b, T, E]``: one view's projections around ``attend`` (``backends.Attend``)."""
-        q, k, v = self.project(x, cos, sin, diffusion)
-        return self.output(attend(self.layer_idx, q, k, v, self.scale), diffusion)   # attend: [b, H, T, D]

@@ -97,7 +97,7 @@ def statistics(total: dict, duplicates: int, audit_fraction: float) -> dict:
         "prefill": _prefill(total.get("prefill")),
         # the paged KV cache per engine: pages held (mean over iterations, peak), rows in flight, preemptions
         "kv_cache": _kv_cache(total.get("prefill")),
-        # time the engines spent compiling their static plans (engine.compile), summed over the
+        # time the engines spent compiling their layer pieces (engine.compile), summed over the
         # batches committed in data/ (every replica compiles its own; a warm disk cache loads instead)
         "engine": {"compile_seconds": _compile_seconds(total.get("prefill"))},
         "speculation": _speculation(sums, spec, ok, total["histogram"]),
