@@ -132,7 +132,11 @@ def run_loop(blocks, loop: CommitLoop, deadline: float | None, halt=None) -> boo
 # them; one still running when ray.shutdown() destroys the core worker calls into Ray and is
 # killed by it with _exit(1): the driver then exits 1 with no message (seen after a failed commit
 # with several batches in flight). So the loop waits for them before anything may shut Ray down.
-# The job's own id-check thread (``orthrus-ids``) calls into Ray too.
+# The job's own id-check thread (``orthrus-ids``) calls into Ray too. The wait is a hang guard,
+# not a speed bound: the threads end as soon as the executor has wound down its in-flight tasks,
+# which on a loaded machine took more than the 10 s once allowed (a driver run in-process was
+# killed by Ray after an unreadable input file, 2026-12-07).
+SETTLE_S = 120.0
 _RAY_DATA_THREADS = ("iter_threaded", "StreamingExecutor-", "orthrus-ids")
 
 
@@ -141,7 +145,7 @@ def ray_data_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(_RAY_DATA_THREADS)]
 
 
-def settle_ray_data_threads(timeout: float = 10.0) -> bool:
+def settle_ray_data_threads(timeout: float = SETTLE_S) -> bool:
     """Wait (bounded) for Ray Data's threads to end → whether none is left."""
     deadline = time.monotonic() + timeout
     for t in ray_data_threads():
